@@ -1,0 +1,13 @@
+"""inflight's engine: continuous batching over a paged KV cache. No Ray, no HTTP here."""
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM", "LLMEngine", "AsyncLLMEngine", "EngineDeadError", "EngineConfig", "SamplingParams",
+    "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
+]

@@ -1,0 +1,71 @@
+"""Engine configuration: one frozen dataclass, checked once when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+BatchingMode = Literal["continuous", "static"]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of the engine. Build it with ``EngineConfig.from_kwargs`` to get checked values.
+
+    KV memory is either ``num_kv_blocks`` blocks of ``block_size`` tokens, or as many blocks as fit
+    in ``kv_cache_memory_bytes``, or (on CUDA) ``gpu_memory_utilization`` of the device.
+    """
+
+    model: str = "demo-tiny"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own limit
+    batching: BatchingMode = "continuous"
+    attention_backend: str = "auto"
+    num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise bad("model", "must be a checkpoint path or 'demo-tiny'")
+        if self.device not in DEVICES:
+            raise bad("device", f"must be one of {DEVICES}")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {DTYPES}")
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise bad("block_size", "must be a power of two")
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise bad(name, "must be a positive integer or None")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be an integer >= 1")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
+            raise bad("max_num_batched_tokens", f"must be an integer >= max_num_seqs ({self.max_num_seqs})")
+        if self.batching not in ("continuous", "static"):
+            raise bad("batching", "must be 'continuous' or 'static'")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise bad("num_threads", "must be a positive integer or None")

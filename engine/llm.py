@@ -1,0 +1,64 @@
+"""Offline batch inference: give it all the prompts, get all the outputs back in input order."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from engine.llm_engine import LLMEngine, PromptInput
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "demo-tiny", **engine_args: Any) -> None:
+        self.engine = LLMEngine(model, **engine_args)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Prompts: a str, a list of str, or a list of token-id lists. Outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params_list)} given for {len(prompts)} prompts")
+        # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
+        batches = []
+        for prompt, params in zip(prompts, params_list):
+            batches.append(self.engine.make_requests(str(self._next_id), prompt, params))
+            self._next_id += 1
+        order = {batch[0].parent_id: i for i, batch in enumerate(batches)}
+        for batch in batches:
+            self.engine.enqueue(batch)
+        results: list[RequestOutput | None] = [None] * len(batches)
+        with tqdm(total=len(batches), disable=not use_tqdm, desc="generate") as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            # The template already wrote the special tokens (bos): do not add them twice.
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,172 @@
+"""The synchronous engine: schedule, run, process outputs — one step at a time."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from engine.config import EngineConfig
+from engine.models.loader import read_model_source
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampler import SamplingBatch
+from engine.sampling_params import SamplingParams
+from engine.scheduler import make_scheduler
+
+PromptInput = str | Sequence[int] | dict[str, Any]
+
+
+class LLMEngine:
+    """Continuous (or static) batching over a paged KV cache.
+
+    ``step()`` is the whole loop: the scheduler picks this step's batch, the runner computes it
+    and samples, and the requests that got a token (or ended) come back as ``RequestOutput``s.
+    A request that finishes, is aborted or times out gives its slot and blocks back in that step.
+    """
+
+    def __init__(self, model: str = "demo-tiny", **engine_args: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        source = read_model_source(model)
+        self.model_config = source.config
+        self.tokenizer = source.tokenizer
+        self.eos_token_ids = source.eos_token_ids
+        self.max_model_len = self._resolve_max_model_len(source.config)
+        self.runner = ModelRunner(self.config, source, self.max_model_len)
+        self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    def _resolve_max_model_len(self, cfg) -> int:
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None:
+            limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay inside the window
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {limit} positions")
+        return wanted
+
+    # -- requests ---------------------------------------------------------------------------------
+    def make_requests(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                      priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+        """Validate and tokenize without touching the queue (safe from any thread)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"no room to generate")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        return [Request(rid, token_ids, params, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                        prompt=text, priority=priority, parent_id=request_id, index=i, arrival_time=arrival_time)
+                for i, rid in enumerate(ids)]
+
+    def enqueue(self, requests: list[Request]) -> None:
+        parent = requests[0].parent_id
+        if parent in self._children:
+            raise ValueError(f"request_id {parent!r} is already in use")
+        for request in requests:
+            self.scheduler.add(request)
+        self._children[parent] = requests
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        if request_id in self._children:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.enqueue(self.make_requests(request_id, prompt, params, priority, arrival_time))
+
+    def abort_request(self, request_id: str) -> None:
+        """End the request now: its blocks are free before the next step. Unknown ids are ignored."""
+        for child in self._children.get(request_id, ()):
+            self.scheduler.abort(child.request_id)
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, Sequence):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _check_ids(ids: Sequence[int]) -> list[int]:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt token ids must be integers")
+        return list(ids)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler = self.scheduler
+        batch = scheduler.schedule()
+        touched: dict[str, None] = dict.fromkeys(r.parent_id for r in scheduler.drain_ended_without_token())
+        if not batch.is_empty:
+            rows = [r for r, _ in scheduler.scheduled_requests()]
+            sampled_rows = [r for r, s in zip(rows, batch.sample) if s]
+            sampling = SamplingBatch(
+                params=[r.params for r in sampled_rows],
+                generators=[r.generator for r in sampled_rows],
+                num_output_tokens=[r.num_output_tokens for r in sampled_rows],
+                eos_token_ids=self.eos_token_ids,
+            )
+            result = self.runner.execute(batch, sampling)
+            logprobs_by_id = {rid: lp for rid, lp in zip(batch.request_ids, result.logprobs) if lp is not None}
+            for request in scheduler.update(result.sampled_token_ids):
+                stopped = self.output_processor.process_token(request, logprobs_by_id.get(request.request_id))
+                if stopped and not request.is_finished:
+                    scheduler.finish(request, "stop")
+                touched[request.parent_id] = None
+                self.num_generated_tokens += 1
+            self.num_steps += 1
+        outputs = []
+        for parent in touched:
+            children = self._children[parent]
+            output = self.output_processor.make_output(children)
+            if output.finished:
+                del self._children[parent]
+            outputs.append(output)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._children)
+
+    def stats(self) -> dict[str, Any]:
+        kv = self.scheduler.kv_stats()
+        return {
+            "batching": self.config.batching,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_queued_prompt_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
+            "kv_blocks_total": kv.num_blocks_total,
+            "kv_blocks_used": kv.num_blocks_used,
+            "kv_blocks_free": kv.num_blocks_free,
+            "kv_block_usage": kv.block_usage,
+            "kv_token_usage": kv.token_usage,
+            "block_size": self.config.block_size,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "num_steps": self.num_steps,
+            "time": time.time(),
+        }

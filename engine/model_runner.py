@@ -1,0 +1,134 @@
+"""Runs one step on the device: scheduler output in, sampled token ids out (lists, not tensors).
+
+Owns the model, the paged KV cache tensors and the sampler. Input preparation is vectorised
+with numpy; the only per-row Python work is copying block tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.models.llama import CausalLM
+from engine.models.loader import ModelSource, build_model
+from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from engine.scheduler_output import SchedulerOutput
+from kernels import BatchLayout, get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: list[int | None]  # one per row; None for rows that do not sample
+    logprobs: list[TokenLogprobs | None]  # one per row
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # On the CPU float32 is both the fastest and the most exact; on a GPU, the checkpoint's dtype.
+        if device.type == "cpu":
+            return torch.float32
+        name = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, source.config.torch_dtype, self.device)
+        if config.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.block_size = config.block_size
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device)
+        self.model_config = source.config
+        self.num_kv_blocks = self._count_kv_blocks(max_model_len)
+        shape = (self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads, source.config.head_dim)
+        # The extra last block is scratch: static-mode padding rows write there and nobody reads it.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(source.config.num_layers)]
+        self.scratch_slot = self.num_kv_blocks * self.block_size
+        self.sampler = Sampler(config.seed)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+
+    def _count_kv_blocks(self, max_model_len: int) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory_bytes is not None:
+            budget = config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            budget = int(total * config.gpu_memory_utilization) - used_by_others
+        else:
+            # Enough for every slot at full length, capped so a laptop is not swamped.
+            wanted = config.max_num_seqs * -(-max_model_len // self.block_size) * self.kv_bytes_per_block
+            budget = min(wanted, CPU_DEFAULT_KV_BYTES)
+        num_blocks = budget // self.kv_bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes: {budget} bytes is less than one KV block "
+                             f"({self.kv_bytes_per_block} bytes)")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput, sampling: SamplingBatch) -> RunnerOutput:
+        layout, positions, logits_index = self._prepare(batch)
+        metadata = self.backend.prepare(layout)
+        input_ids = torch.tensor(batch.input_token_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        sampled: list[int | None] = [None] * batch.num_rows
+        logprobs: list[TokenLogprobs | None] = [None] * batch.num_rows
+        sample_rows = [i for i, s in enumerate(batch.sample) if s]
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[logits_index])
+            token_ids, token_logprobs = self.sampler(logits, sampling)
+            for row, token_id, lp in zip(sample_rows, token_ids, token_logprobs):
+                sampled[row] = token_id
+                logprobs[row] = lp
+        return RunnerOutput(sampled, logprobs)
+
+    def _prepare(self, batch: SchedulerOutput) -> tuple[BatchLayout, torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        query_lens = np.asarray(batch.query_lens, dtype=np.int64)
+        starts = np.asarray(batch.start_positions, dtype=np.int64)
+        seq_lens = starts + query_lens
+        token_ends = np.cumsum(query_lens)
+        row_of_token = np.repeat(np.arange(batch.num_rows), query_lens)
+        # position of each token = its row's start + its offset inside the row
+        positions = starts[row_of_token] + np.arange(token_ends[-1]) - (token_ends - query_lens)[row_of_token]
+
+        max_blocks = max(len(t) for t in batch.block_tables)
+        tables = np.zeros((batch.num_rows, max_blocks), dtype=np.int64)
+        for i, table in enumerate(batch.block_tables):
+            tables[i, :len(table)] = table
+        slots = tables[row_of_token, positions // bs] * bs + positions % bs
+        if any(batch.padding):
+            slots[np.asarray(batch.padding)[row_of_token]] = self.scratch_slot
+
+        logits_index = (token_ends - 1)[np.asarray(batch.sample)]
+        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        layout = BatchLayout(query_lens=batch.query_lens, seq_lens=seq_lens.tolist(), block_tables=to(tables),
+                             slot_mapping=to(slots), block_size=bs)
+        return layout, to(positions), to(logits_index)

@@ -1,0 +1,130 @@
+"""Load a Hugging Face checkpoint directory (or the built-in ``demo-tiny``) into a ``CausalLM``.
+
+Reads ``config.json``, ``*.safetensors`` (sharded through ``model.safetensors.index.json`` too),
+``tokenizer.json``/``tokenizer_config.json`` and ``generation_config.json`` (for eos ids).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.config import ModelConfig
+from engine.models.llama import CausalLM
+from engine.tokenizer import Tokenizer
+from kernels import AttentionBackend
+
+DEMO_TINY = "demo-tiny"
+
+# Hugging Face keeps q/k/v and gate/up apart; we fuse them. (our name, its name, shard index)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What is known about a model before its weights are read."""
+
+    name: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+
+
+def read_model_source(name_or_path: str) -> ModelSource:
+    if name_or_path == DEMO_TINY:
+        from engine.models import demo_tiny
+
+        return demo_tiny.source()
+    path = Path(name_or_path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"model must be 'demo-tiny' or a directory with config.json, got {name_or_path!r}")
+    hf_config = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf(hf_config)
+    tokenizer = Tokenizer.from_dir(path)
+    eos = set(_as_list(hf_config.get("eos_token_id")))
+    if (path / "generation_config.json").exists():
+        eos |= set(_as_list(json.loads((path / "generation_config.json").read_text()).get("eos_token_id")))
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return ModelSource(str(path), config, tokenizer, frozenset(eos))
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def build_model(source: ModelSource, backend: AttentionBackend, max_positions: int,
+                dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Create the module without random init (on the meta device), then fill it with the weights."""
+    with torch.device("meta"):
+        model = CausalLM(source.config, backend, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    model.rotary.reset_tables()
+    if source.name == DEMO_TINY:
+        from engine.models import demo_tiny
+
+        demo_tiny.init_weights(model)
+    else:
+        load_weights(model, Path(source.name))
+    return model.eval()
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / shard for shard in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {path}")
+    return files
+
+
+def load_weights(model: CausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    missing = set(params)
+    cfg = model.config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    split_sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
+                    continue
+                if "rotary_emb" in hf_name:
+                    continue
+                name, fused, shard = hf_name, None, 0
+                for hf_part, (our_part, index) in _FUSED.items():
+                    if f".{hf_part}." in hf_name:
+                        name, fused, shard = hf_name.replace(hf_part, our_part), our_part, index
+                        break
+                if name not in params:
+                    raise ValueError(f"model: unexpected weight {hf_name!r} in {file.name}")
+                target = params[name].data
+                if fused is not None:
+                    sizes = split_sizes[fused]
+                    start = sum(sizes[:shard])
+                    target = target[start:start + sizes[shard]]
+                tensor = f.get_tensor(hf_name)
+                if tensor.shape != target.shape:
+                    raise ValueError(f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(target.shape)}")
+                target.copy_(tensor)
+                missing.discard(name)
+    if cfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"model: weights missing from checkpoint: {', '.join(sorted(missing)[:8])}")

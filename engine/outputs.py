@@ -1,0 +1,59 @@
+"""What the engine hands back: plain data, safe to pass across threads and processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "timeout"]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) of a request's life; None until it happens."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` sequences of a request.
+
+    ``token_ids`` and ``text`` are everything so far; ``new_token_ids`` and ``new_text`` are what
+    this step added (what a streaming client sends on).
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

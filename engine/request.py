@@ -1,0 +1,125 @@
+"""A request as the engine sees it: tokens, progress, KV blocks, and timing."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from engine.outputs import FinishReason, Logprob, RequestMetrics
+from engine.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Engine-side state of one sequence.
+
+    The single scheduling rule works on two numbers: ``num_computed_tokens`` (tokens whose KV is
+    in the cache) catches up with ``num_tokens`` (prompt + generated). A fresh prompt, a chunked
+    prefill, a decode and a recompute after preemption are all the same case.
+    """
+
+    __slots__ = (
+        "request_id", "parent_id", "index", "prompt", "prompt_token_ids", "output_token_ids",
+        "all_token_ids", "params", "priority", "arrival_order", "num_computed_tokens", "status",
+        "finish_reason", "stop_reason", "metrics", "deadline", "generator", "max_total_tokens",
+        "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
+        "cumulative_logprob", "static_padding",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        prompt: str | None = None,
+        priority: int = 0,
+        parent_id: str | None = None,
+        index: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_order = next(_arrival_counter)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        now = time.time() if arrival_time is None else arrival_time
+        self.metrics = RequestMetrics(arrival_time=now)
+        self.deadline = now + params.timeout_s if params.timeout_s is not None else None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            # One generator per request: its samples do not depend on who shares the batch.
+            self.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * index)
+        max_new = params.max_tokens if params.max_tokens is not None else max_model_len
+        self.max_total_tokens = min(len(prompt_token_ids) + max_new, max_model_len)
+        self.eos_token_ids = eos_token_ids
+        # Detokenization state, owned by the output processor.
+        self.text = ""
+        self.sent_text_len = 0
+        self.sent_token_len = 0
+        self.decoder = None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.static_padding = False  # static mode: finished, but still holds its slot until the batch ends
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self) -> bool:
+        """Apply the token-level stop rules after a token was appended; True if the request ended."""
+        params = self.params
+        num_output = len(self.output_token_ids)
+        if num_output >= params.min_tokens:
+            last = self.output_token_ids[-1]
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.finish_reason, self.stop_reason = "stop", None
+                return True
+            if last in params.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", last
+                return True
+        if len(self.all_token_ids) >= self.max_total_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

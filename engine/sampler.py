@@ -1,0 +1,127 @@
+"""Pick the next token of each sampled row: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Rows are processed together; only the random draw is per request when it has its own seed, so a
+seeded request gets the same tokens whatever else shares the batch. Sampling uses the
+exponential race (argmax of p / Exp(1) noise), which is a draw from p with one noise vector per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+# (token id, logprob, rank) of the sampled token, then the top-n as (token id, logprob)
+TokenLogprobs = tuple[tuple[int, float, int], list[tuple[int, float]]]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs, in the order of the runner's sampled rows."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    num_output_tokens: list[int]
+    eos_token_ids: frozenset[int]
+
+    @property
+    def all_greedy_plain(self) -> bool:
+        return all(p.greedy and p.logprobs is None and (p.min_tokens == 0) for p in self.params)
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
+        # logits: [num_rows, vocab] float32
+        if batch.all_greedy_plain:
+            return logits.argmax(dim=-1).tolist(), [None] * len(batch.params)
+        logits = logits.cpu() if logits.device.type != "cpu" else logits
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in batch.params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._mask_early_stops(logits, batch)
+        token_ids = self._pick(logits, batch)
+        return token_ids, self._logprobs(raw_logprobs, token_ids, batch)
+
+    @staticmethod
+    def _mask_early_stops(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Before min_tokens, eos and stop tokens are not allowed."""
+        rows = [i for i, (p, n) in enumerate(zip(batch.params, batch.num_output_tokens)) if n < p.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = batch.params[i]
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(batch.eos_token_ids))
+            if banned:
+                logits[i, list(banned)] = float("-inf")
+        return logits
+
+    def _pick(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+        params = batch.params
+        greedy = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            return greedy.tolist()
+        rows = torch.tensor(random_rows)
+        x = logits[rows] / torch.tensor([params[i].temperature for i in random_rows])[:, None]
+        x = _apply_top_k(x, [params[i].top_k for i in random_rows])
+        x = _apply_top_p(x, [params[i].top_p for i in random_rows])
+        probs = torch.softmax(x, dim=-1)
+        min_ps = torch.tensor([params[i].min_p for i in random_rows])
+        if bool((min_ps > 0).any()):
+            probs = probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(random_rows) if batch.generators[i] is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for j, i in enumerate(random_rows):
+            if batch.generators[i] is not None:
+                noise[j].exponential_(generator=batch.generators[i])
+        sampled = (probs / noise).argmax(dim=-1)
+        out = greedy.clone()
+        out[rows] = sampled
+        return out.tolist()
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, token_ids: list[int], batch: SamplingBatch) -> list[TokenLogprobs | None]:
+        result: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if raw is None:
+            return result
+        for i, p in enumerate(batch.params):
+            if p.logprobs is None:
+                continue
+            row = raw[i]
+            chosen = float(row[token_ids[i]])
+            rank = int((row > chosen).sum()) + 1
+            top: list[tuple[int, float]] = []
+            if p.logprobs > 0:
+                values, ids = row.topk(p.logprobs)
+                top = list(zip(ids.tolist(), values.tolist()))
+            result[i] = ((token_ids[i], chosen, rank), top)
+        return result
+
+
+def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    vocab = x.shape[1]
+    ks = [k if 0 < k < vocab else vocab for k in top_ks]
+    if all(k == vocab for k in ks):
+        return x
+    max_k = max(ks)
+    kth = x.topk(max_k, dim=-1).values.gather(1, torch.tensor(ks)[:, None] - 1)  # [rows, 1]
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _apply_top_p(x: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    if all(p >= 1.0 for p in top_ps):
+        return x
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    # Drop a token when the tokens before it already cover top_p; the first token always stays.
+    drop = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_ps)[:, None]
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)

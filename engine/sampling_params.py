@@ -1,0 +1,86 @@
+"""Per-request sampling settings: the one type that crosses from the API into the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Immutable: the engine never changes a request's params. Values are checked here, once,
+    so every layer above (Python API, HTTP) gets the same ``ValueError`` naming the argument.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) means no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
+    skip_special_tokens: bool = True
+    timeout_s: float | None = None  # deadline from arrival: queueing, prefill and decode
+
+    def __post_init__(self) -> None:
+        # Accept lists and a single stop string for convenience; store tuples so params stay hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must hold non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must hold non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20] or None")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise bad("timeout_s", "must be > 0 or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def max_stop_chars(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def replace(self, **changes) -> "SamplingParams":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,274 @@
+"""Who runs this step. One rule: each scheduled request's computed tokens catch up with its tokens.
+
+``ContinuousScheduler`` re-forms the batch every step (iteration-level scheduling);
+``StaticScheduler`` keeps one batch until its longest member ends, for honest comparison.
+Both share the queue, finishing and bookkeeping in ``Scheduler``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.block_pool import KVCacheManager, KVCacheStats
+from engine.config import EngineConfig
+from engine.outputs import FinishReason
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import SchedulerOutput
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the KV cache manager.
+
+    Invariant: a request is in exactly one of ``waiting`` (FIFO, preempted requests at the front),
+    ``running`` (holds a batch slot and KV blocks) or neither (finished, blocks already freed —
+    except in static mode, where finished members keep their blocks until the batch ends).
+    """
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        self.config = config
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._scheduled: list[tuple[Request, int]] = []  # (request, num tokens) of the last schedule()
+        self._num_with_deadline = 0
+        self._ended_without_token: list[Request] = []  # aborted or timed out since the last drain
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+
+    # -- queue -----------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        needed = self.kv.num_blocks_for(request.max_total_tokens if self.config.batching == "static"
+                                        else request.num_tokens)
+        if needed > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens needs {needed} KV blocks "
+                f"but the pool holds only {self.kv.pool.num_blocks}; raise num_kv_blocks or lower max_tokens")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        if request.deadline is not None:
+            self._num_with_deadline += 1
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self.finish(request, "abort")
+        return request
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request now; its batch slot and KV blocks go back this same step."""
+        if request.finish_reason is None:
+            request.finish_reason = reason
+        if reason in ("abort", "timeout"):
+            self._ended_without_token.append(request)
+        was_running = request.status is RequestStatus.RUNNING
+        request.status = RequestStatus.FINISHED
+        request.metrics.finished_time = time.time()
+        if request.deadline is not None:
+            self._num_with_deadline -= 1
+        self.requests.pop(request.request_id, None)
+        if was_running:
+            if self.config.batching == "static":
+                request.static_padding = True  # keeps slot and blocks until its batch ends
+                return
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+
+    def drain_ended_without_token(self) -> list[Request]:
+        ended, self._ended_without_token = self._ended_without_token, []
+        return ended
+
+    def scheduled_requests(self) -> list[tuple[Request, int]]:
+        return self._scheduled
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _expire_deadlines(self) -> None:
+        if not self._num_with_deadline:
+            return
+        now = time.time()
+        for request in [r for r in (*self.waiting, *self.running) if r.deadline is not None and r.deadline <= now
+                        and not r.is_finished]:
+            self.finish(request, "timeout")
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._expire_deadlines()
+        self._scheduled = self._pick()
+        return self._build_output(self._scheduled)
+
+    def _pick(self) -> list[tuple[Request, int]]:
+        raise NotImplementedError
+
+    def _build_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+        out = SchedulerOutput()
+        tables = self.kv.block_tables
+        now = None
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            out.request_ids.append(request.request_id)
+            if request.static_padding:
+                # Recompute the last position against the cached context; nothing is kept.
+                out.input_token_ids.append(request.all_token_ids[start - 1])
+                out.query_lens.append(1)
+                out.start_positions.append(start - 1)
+                out.sample.append(False)
+                out.padding.append(True)
+            else:
+                if num_new == 1:
+                    out.input_token_ids.append(request.all_token_ids[start])
+                else:
+                    out.input_token_ids.extend(request.all_token_ids[start:start + num_new])
+                out.query_lens.append(num_new)
+                out.start_positions.append(start)
+                out.sample.append(start + num_new == request.num_tokens)
+                out.padding.append(False)
+                if request.metrics.first_scheduled_time is None:
+                    now = now or time.time()
+                    request.metrics.first_scheduled_time = now
+            out.block_tables.append(tables[request.request_id])
+        return out
+
+    def update(self, sampled_token_ids: list[int | None]) -> list[Request]:
+        """Apply the runner's results: advance computed tokens, append samples, end finished requests.
+
+        Returns the requests that produced a token this step (finished ones included).
+        """
+        advanced: list[Request] = []
+        finished: list[Request] = []
+        for (request, num_new), token_id in zip(self._scheduled, sampled_token_ids):
+            if request.static_padding or request.is_finished:
+                continue
+            request.num_computed_tokens += num_new
+            if token_id is None:
+                continue  # a prefill chunk that is not the last one
+            request.append_token(token_id)
+            advanced.append(request)
+            if request.check_stop_token():
+                finished.append(request)
+        for request in finished:
+            self.finish(request, request.finish_reason)
+        self._scheduled = []
+        self._on_step_end()
+        return advanced
+
+    def _on_step_end(self) -> None:
+        pass
+
+    # -- introspection -------------------------------------------------------------------------
+    def num_tokens_in_cache(self) -> int:
+        return sum(r.num_computed_tokens for r in self.running)
+
+    def kv_stats(self) -> KVCacheStats:
+        return self.kv.stats(self.num_tokens_in_cache())
+
+
+class ContinuousScheduler(Scheduler):
+    """Iteration-level scheduling over a paged KV cache.
+
+    Each step, in this order:
+      1. every running request advances: decodes take one token each, then unfinished prefills
+         take chunks from what is left of the token budget;
+      2. waiting requests are admitted, oldest first, while a batch slot, budget and blocks remain;
+      3. if blocks run out, the newest running request is preempted: its blocks are freed and it
+         goes back to the front of the queue, to be recomputed.
+    Finished requests already left in ``update`` of the step they finished in.
+    """
+
+    def _pick(self) -> list[tuple[Request, int]]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[Request, int] = {}
+        preempted = False
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if request.status is not RequestStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+                victim = max(self.running, key=lambda r: r.arrival_order)
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled[request] = num_new
+                budget -= num_new
+
+        # Admitting new work right after a preemption would only evict it again next step.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request] = num_new
+            budget -= num_new
+        return list(scheduled.items())
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        self.num_preemptions += 1
+        self.num_recomputed_tokens += request.num_computed_tokens
+        request.metrics.num_preemptions += 1
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+
+class StaticScheduler(Scheduler):
+    """Request-level batching, as systems before paging did it.
+
+    A batch forms in arrival order (up to ``max_num_seqs``) only once KV for prompt + max_tokens of
+    every member is reserved. All members prefill, then decode in lockstep until the longest one
+    ends; members that end early keep their slot and are computed as padding. Nobody joins a
+    running batch. Blocks are returned when the whole batch ends.
+    """
+
+    def _pick(self) -> list[tuple[Request, int]]:
+        if not self.running:
+            self._form_batch()
+        if not self.running:
+            return []
+        prefilling = [r for r in self.running if not r.static_padding
+                      and r.num_tokens - r.num_computed_tokens > 1]
+        if prefilling:
+            budget = self.config.max_num_batched_tokens
+            scheduled = []
+            for request in prefilling:
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if num_new == 0:
+                    break
+                scheduled.append((request, num_new))
+                budget -= num_new
+            return scheduled
+        return [(request, 1) for request in self.running]
+
+    def _form_batch(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not self.kv.allocate(request.request_id, request.max_total_tokens):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _on_step_end(self) -> None:
+        if self.running and all(r.static_padding for r in self.running):
+            for request in self.running:
+                self.kv.free(request.request_id)
+            self.running = []
+
+
+def make_scheduler(config: EngineConfig, num_kv_blocks: int) -> Scheduler:
+    cls = StaticScheduler if config.batching == "static" else ContinuousScheduler
+    return cls(config, num_kv_blocks)

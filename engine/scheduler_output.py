@@ -1,0 +1,38 @@
+"""What the scheduler hands the model runner each step: plain lists, no live engine state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch.
+
+    Row i is request ``request_ids[i]``: it feeds ``query_lens[i]`` tokens starting at position
+    ``start_positions[i]`` (so its KV length after the step is start + query_len). ``sample[i]``
+    says whether the row's last token produces a new token. Static-mode padding rows
+    (``padding[i]``) are finished requests that still occupy their slot: they are computed, their
+    KV is not written and their sample is thrown away, exactly the waste static batching pays.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    input_token_ids: list[int] = field(default_factory=list)  # all rows, flattened
+    query_lens: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    padding: list[bool] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_token_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.request_ids

@@ -1,0 +1,63 @@
+"""The attention backend interface and the registry that picks one.
+
+A backend turns one step's batch layout into its own metadata once per step, then, in every
+layer, stores the step's new K/V into the paged cache and attends each query token to its
+request's context. The paged cache of a layer is a pair of tensors
+``[num_blocks + 1, block_size, num_kv_heads, head_dim]``; the extra last block is a scratch
+block that padding rows write to and nobody reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One step's batch as flat tensors, built by the model runner.
+
+    Row i feeds ``query_lens[i]`` tokens (flattened in row order) whose KV goes to
+    ``slot_mapping`` (block * block_size + offset), and attends to the first ``seq_lens[i]``
+    tokens of its block table (context plus itself, causally).
+    """
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor  # [num_rows, max_blocks_per_row] int64, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_size: int
+
+
+class AttentionBackend:
+    """Base class: ``prepare`` once per step, then ``store_kv`` and ``forward`` in every layer."""
+
+    name = "base"
+
+    def prepare(self, layout: BatchLayout) -> Any:
+        """Build whatever per-step metadata ``forward`` needs (shared by all layers)."""
+        raise NotImplementedError
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, metadata: Any) -> None:
+        """Scatter ``key``/``value`` [num_tokens, num_kv_heads, head_dim] into the cache slots."""
+        raise NotImplementedError
+
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                metadata: Any, scale: float) -> torch.Tensor:
+        """Attend ``query`` [num_tokens, num_heads, head_dim] to the cache; returns the same shape."""
+        raise NotImplementedError
+
+
+BACKENDS = ("auto", "torch")
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` will prefer flash-attn, then Triton, on CUDA (kernels issue); today it is torch."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS} in this build, got {name!r}")
+    from kernels.torch_ref import TorchPagedAttention
+
+    return TorchPagedAttention()

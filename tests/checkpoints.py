@@ -1,0 +1,81 @@
+"""Small random Hugging Face checkpoints, written with transformers (the test-time reference)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engine.models.demo_tiny import CHAT_TEMPLATE, build_tokenizer
+
+VOCAB_SIZE = 263  # demo-tiny's byte-level tokenizer
+EOS_ID = 2
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def hf_config(arch: str, **overrides):
+    import transformers
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0, initializer_range=0.3)
+    if arch == "llama":
+        common.update(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cls = transformers.LlamaConfig
+    elif arch == "mistral":
+        cls = transformers.MistralConfig
+        common.update(sliding_window=None)
+    elif arch == "qwen2":
+        cls = transformers.Qwen2Config
+        common.update(tie_word_embeddings=True)
+    elif arch == "qwen3":
+        cls = transformers.Qwen3Config
+        common.update(head_dim=32)  # Qwen3 sets head_dim apart from hidden / heads
+    else:
+        raise ValueError(arch)
+    common.update(overrides)
+    return cls(**common)
+
+
+def make_checkpoint(path: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    max_shard_size: str | None = None, **overrides) -> Path:
+    """Write a random model of ``arch`` with demo-tiny's tokenizer to ``path``; returns ``path``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    tokenizer = build_tokenizer()
+    tokenizer._tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate, one request at a time (no padding), eos ignored."""
+    import transformers
+
+    model = _hf_model(str(path))
+    config = transformers.GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+    return out[0, len(prompt_ids):].tolist()
+
+
+_models: dict[str, object] = {}
+
+
+def _hf_model(path: str):
+    import transformers
+
+    if path not in _models:
+        _models[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _models[path]
