@@ -62,6 +62,8 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await queue.get()
+                if isinstance(item, ValueError):
+                    raise item  # the request was refused; the engine is fine
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine step loop died: {item!r}") from item
                 finished = item.finished
@@ -94,8 +96,8 @@ class AsyncLLMEngine:
             self._loop_task.cancel()
             try:
                 await self._loop_task
-            except asyncio.CancelledError:
-                pass
+            except (asyncio.CancelledError, Exception):
+                pass  # a loop that died already reported it to its requests and to check_health
         self._executor.shutdown(wait=True)
 
     # -- the loop task ------------------------------------------------------------------------------

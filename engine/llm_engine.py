@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Sequence
 
@@ -32,11 +33,14 @@ class LLMEngine:
         self.model_config = source.config
         self.tokenizer = source.tokenizer
         self.eos_token_ids = source.eos_token_ids
+        self._max_model_len_note = ""
         self.max_model_len = self._resolve_max_model_len(source.config)
         self.runner = ModelRunner(self.config, source, self.max_model_len)
+        self.max_model_len = self._fit_max_model_len_to_pool(self.runner.num_kv_blocks)
         self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
+        self._sequence_ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
 
@@ -50,6 +54,19 @@ class LLMEngine:
         if wanted > limit:
             raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {limit} positions")
         return wanted
+
+    def _fit_max_model_len_to_pool(self, num_kv_blocks: int) -> int:
+        """A request must be able to grow to max_model_len alone, or it could evict itself forever."""
+        capacity = num_kv_blocks * self.config.block_size
+        if self.max_model_len <= capacity:
+            return self.max_model_len
+        if self.config.max_model_len is not None:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache's capacity of {capacity} "
+                             f"tokens ({num_kv_blocks} blocks of {self.config.block_size}); raise num_kv_blocks "
+                             f"or lower max_model_len")
+        self._max_model_len_note = (f" (capped by the KV cache: {num_kv_blocks} blocks of {self.config.block_size} "
+                                    f"tokens; raise num_kv_blocks)")
+        return capacity
 
     # -- requests ---------------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
@@ -67,12 +84,13 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
-                             f"no room to generate")
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
+                             f"{self._max_model_len_note}: no room to generate")
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds max_model_len ({self.max_model_len})")
-        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+                             f"exceeds max_model_len ({self.max_model_len}){self._max_model_len_note}")
+        # Sequences get internal ids nobody can choose, so a user id can never alias another's sequence.
+        ids = [f"{next(self._sequence_ids)}" for _ in range(params.n)]
         return [Request(rid, token_ids, params, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                         prompt=text, priority=priority, parent_id=request_id, index=i, arrival_time=arrival_time)
                 for i, rid in enumerate(ids)]

@@ -59,7 +59,8 @@ class ModelRunner:
         self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device)
         self.model_config = source.config
         self.num_kv_blocks = self._count_kv_blocks(max_model_len)
-        shape = (self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads, source.config.head_dim)
+        shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads,
+                                            source.config.head_dim)
         # The extra last block is scratch: static-mode padding rows write there and nobody reads it.
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))

@@ -74,7 +74,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing float32 logits by the temperature overflows: it is greedy in all but name.
+        return self.temperature < 1e-5
 
     @property
     def max_stop_chars(self) -> int:

@@ -39,11 +39,12 @@ class Scheduler:
 
     # -- queue -----------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        needed = self.kv.num_blocks_for(request.max_total_tokens if self.config.batching == "static"
-                                        else request.num_tokens)
+        # Even alone in the pool the request must be able to reach its last token, or it would evict
+        # itself forever. (LLMEngine caps max_model_len to the pool, so this only trips direct use.)
+        needed = self.kv.num_blocks_for(request.max_total_tokens)
         if needed > self.kv.pool.num_blocks:
             raise ValueError(
-                f"prompt of {request.num_prompt_tokens} tokens needs {needed} KV blocks "
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens needs {needed} KV blocks "
                 f"but the pool holds only {self.kv.pool.num_blocks}; raise num_kv_blocks or lower max_tokens")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -70,7 +71,7 @@ class Scheduler:
             self._num_with_deadline -= 1
         self.requests.pop(request.request_id, None)
         if was_running:
-            if self.config.batching == "static":
+            if self.config.batching == "static" and request.num_computed_tokens > 0:
                 request.static_padding = True  # keeps slot and blocks until its batch ends
                 return
             self.running.remove(request)

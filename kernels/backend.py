@@ -2,9 +2,9 @@
 
 A backend turns one step's batch layout into its own metadata once per step, then, in every
 layer, stores the step's new K/V into the paged cache and attends each query token to its
-request's context. The paged cache of a layer is a pair of tensors
-``[num_blocks + 1, block_size, num_kv_heads, head_dim]``; the extra last block is a scratch
-block that padding rows write to and nobody reads.
+request's context. The paged cache of a layer is a pair of tensors shaped by
+``kv_cache_shape(num_blocks + 1, ...)``; the extra last block is a scratch block that padding
+rows write to and nobody reads.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ class AttentionBackend:
 
     name = "base"
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The layout of one layer's K (or V) cache; each backend picks what its kernels read fastest."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
     def prepare(self, layout: BatchLayout) -> Any:
         """Build whatever per-step metadata ``forward`` needs (shared by all layers)."""
         raise NotImplementedError
@@ -45,9 +49,13 @@ class AttentionBackend:
         """Scatter ``key``/``value`` [num_tokens, num_kv_heads, head_dim] into the cache slots."""
         raise NotImplementedError
 
-    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                metadata: Any, scale: float) -> torch.Tensor:
-        """Attend ``query`` [num_tokens, num_heads, head_dim] to the cache; returns the same shape."""
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
+        """Attend ``query`` [num_tokens, num_heads, head_dim] to the cache; returns the same shape.
+
+        ``key``/``value`` are this step's new K/V (already stored): a backend may read a fresh prefill's
+        context from them instead of the cache.
+        """
         raise NotImplementedError
 
 

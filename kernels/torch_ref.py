@@ -1,8 +1,14 @@
 """Paged attention in plain PyTorch: the CPU path and the oracle the GPU kernels are tested against.
 
-Batched, not a loop per token: every single-token row (decode) is one padded SDPA call over
-gathered context; each multi-token row (prefill chunk) is one SDPA call over its cached context
-plus the chunk, causal within the chunk.
+Batched, not a loop per token. All single-token rows (decodes) go through batched matmuls over
+their gathered context; each multi-token row (a prefill chunk) is one SDPA call over its cached
+context plus the chunk, causal within the chunk.
+
+The cache layout is head-major, ``[num_kv_heads, num_blocks + 1, block_size, head_dim]``, so context
+is gathered a whole block at a time (one ``index_select`` on dim 1) and lands as
+``[num_kv_heads, num_requests, context, head_dim]``: already the batch of matrices the decode
+matmuls want. The KV bytes are copied once, not three times, and on a CPU decode attention is
+bound by exactly those bytes.
 """
 
 from __future__ import annotations
@@ -16,20 +22,22 @@ from kernels.backend import AttentionBackend, BatchLayout
 
 
 @dataclass
+class PrefillRow:
+    token_start: int
+    token_end: int
+    seq_len: int
+    blocks: torch.Tensor | None  # [num_blocks] holding the row's context; None: no cached context
+    mask: torch.Tensor | None  # [query_len, seq_len] visibility when there is cached context
+
+
+@dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
-    decode_token_index: torch.Tensor | None  # [num_decode] positions in the flat token dim
-    decode_slots: torch.Tensor | None  # [num_decode, max_seq_len] cache slots to read
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_seq_len] True where a key is visible
-    # (token start, token end, cache slots of the row's whole sequence [seq_len], causal mask or None)
-    prefill_rows: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
-
-
-def _row_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions [0, seq_len) of one row: [seq_len]."""
-    num_blocks = -(-seq_len // block_size)
-    offsets = torch.arange(block_size, device=block_table.device)
-    return (block_table[:num_blocks, None] * block_size + offsets).reshape(-1)[:seq_len]
+    decode_token_index: torch.Tensor | None  # [num_decode] positions of decode rows in the flat token dim
+    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block ids to gather, row-major
+    decode_hidden: torch.Tensor | None  # [1, num_decode, 1, max_blocks * block_size] True where a key is NOT visible
+    all_decode: bool
+    prefill_rows: list[PrefillRow]
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -44,56 +52,77 @@ class TorchPagedAttention(AttentionBackend):
             if q_len == 1:
                 decode_rows.append(row)
                 decode_tokens.append(token_start)
+            elif seq_len == q_len:  # nothing cached before this chunk: attend to the chunk itself
+                prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, None, None))
             else:
-                slots = _row_slots(layout.block_tables[row], seq_len, bs)
-                mask = None
-                if seq_len != q_len:  # cached context before the chunk: causal with an offset
-                    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-                    mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-                prefill_rows.append((token_start, token_start + q_len, slots, mask))
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+                blocks = layout.block_tables[row, :-(-seq_len // bs)]
+                prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, blocks, mask))
             token_start += q_len
 
-        decode_index = decode_slots = decode_mask = None
+        decode_index = decode_blocks = decode_hidden = None
         if decode_rows:
-            rows = torch.tensor(decode_rows, device=device)
             seq_lens = torch.tensor([layout.seq_lens[r] for r in decode_rows], device=device)
-            max_len = int(seq_lens.max())
-            num_blocks = -(-max_len // bs)
-            tables = layout.block_tables[rows, :num_blocks]  # [num_decode, num_blocks]
-            offsets = torch.arange(bs, device=device)
-            decode_slots = (tables[:, :, None] * bs + offsets).reshape(len(decode_rows), -1)[:, :max_len]
-            positions = torch.arange(max_len, device=device)
-            decode_mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+            max_blocks = -(-int(seq_lens.max()) // bs)
+            rows = torch.tensor(decode_rows, device=device)
+            decode_blocks = layout.block_tables[rows, :max_blocks].reshape(-1)
+            positions = torch.arange(max_blocks * bs, device=device)
+            decode_hidden = (positions[None, :] >= seq_lens[:, None])[None, :, None, :]
             decode_index = torch.tensor(decode_tokens, device=device)
-        return TorchAttentionMetadata(layout.slot_mapping, decode_index, decode_slots, decode_mask, prefill_rows)
+        return TorchAttentionMetadata(layout.slot_mapping, decode_index, decode_blocks, decode_hidden,
+                                      not prefill_rows, prefill_rows)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_kv_heads, num_blocks, block_size, head_dim)
 
     def store_kv(self, key, value, k_cache, v_cache, metadata: TorchAttentionMetadata) -> None:
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        block_size = k_cache.shape[2]
+        blocks, offsets = metadata.slot_mapping // block_size, metadata.slot_mapping % block_size
+        k_cache[:, blocks, offsets] = key.transpose(0, 1)  # key: [num_tokens, num_kv_heads, head_dim]
+        v_cache[:, blocks, offsets] = value.transpose(0, 1)
 
-    def forward(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        if metadata.decode_token_index is not None and not metadata.prefill_rows:
-            return self._decode(query, k_flat, v_flat, metadata, scale)
+    def forward(self, query, key, value, k_cache, v_cache, metadata: TorchAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        if metadata.all_decode:
+            return self._decode(query, k_cache, v_cache, metadata, scale)
         out = torch.empty_like(query)
         if metadata.decode_token_index is not None:
-            out[metadata.decode_token_index] = self._decode(query[metadata.decode_token_index], k_flat, v_flat, metadata, scale)
-        for start, end, slots, mask in metadata.prefill_rows:
-            q = query[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
-            k = k_flat[slots].transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
-            v = v_flat[slots].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                               scale=scale, enable_gqa=True)
-            out[start:end] = o.transpose(0, 1)
+            index = metadata.decode_token_index
+            out[index] = self._decode(query[index], k_cache, v_cache, metadata, scale)
+        for row in metadata.prefill_rows:
+            q = query[row.token_start:row.token_end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+            if row.blocks is None:
+                k = key[row.token_start:row.token_end].transpose(0, 1)  # [num_kv_heads, q_len, head_dim]
+                v = value[row.token_start:row.token_end].transpose(0, 1)
+            else:
+                k = _gather_context(k_cache, row.blocks, row.seq_len)  # [num_kv_heads, seq_len, head_dim]
+                v = _gather_context(v_cache, row.blocks, row.seq_len)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=row.mask,
+                                               is_causal=row.mask is None, scale=scale, enable_gqa=True)
+            out[row.token_start:row.token_end] = o.transpose(0, 1)
         return out
 
     @staticmethod
-    def _decode(query, k_flat, v_flat, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        q = query.unsqueeze(2)  # [num_decode, num_heads, 1, head_dim]
-        k = k_flat[metadata.decode_slots].transpose(1, 2)  # [num_decode, num_kv_heads, max_len, head_dim]
-        v = v_flat[metadata.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+    def _decode(query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        num_decode, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[0]
+        group = num_heads // num_kv_heads
+        # [num_kv_heads, num_decode, context, head_dim]: one gather, no further copies
+        k = k_cache.index_select(1, metadata.decode_blocks).view(num_kv_heads, num_decode, -1, head_dim)
+        v = v_cache.index_select(1, metadata.decode_blocks).view(num_kv_heads, num_decode, -1, head_dim)
+        q = query.view(num_decode, num_kv_heads, group, head_dim).transpose(0, 1)  # [num_kv_heads, num_decode, group, head_dim]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [num_kv_heads, num_decode, group, context]
+        scores = scores.masked_fill(metadata.decode_hidden, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        # Masked slots (a block's unused tail, table padding) may hold stale values, even inf after an
+        # overflow; a zero probability times inf is NaN, so clear them in the gathered copy.
+        v.masked_fill_(metadata.decode_hidden.transpose(-1, -2), 0.0)
+        out = torch.matmul(probs, v)  # [num_kv_heads, num_decode, group, head_dim]
+        return out.transpose(0, 1).reshape(num_decode, num_heads, head_dim)
+
+
+def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` cached tokens of one row as [num_kv_heads, seq_len, head_dim]."""
+    gathered = cache.index_select(1, blocks)  # [num_kv_heads, num_blocks, block_size, head_dim]
+    return gathered.view(gathered.shape[0], -1, gathered.shape[3])[:, :seq_len]

@@ -58,24 +58,36 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, dtype: torch.dtype = t
     return path
 
 
-def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32) -> list[int]:
     """transformers' own greedy generate, one request at a time (no padding), eos ignored."""
     import transformers
 
-    model = _hf_model(str(path))
+    model = hf_model(path, dtype)
+    # eos_token_id=[] (not None): None falls back to the checkpoint's generation_config and stops at eos.
     config = transformers.GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0)
+                                           eos_token_id=[], pad_token_id=0)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
-    return out[0, len(prompt_ids):].tolist()
+    tokens = out[0, len(prompt_ids):].tolist()
+    assert len(tokens) == max_new_tokens, f"transformers stopped early: {tokens}"
+    return tokens
 
 
-_models: dict[str, object] = {}
+def hf_logits(path: Path, token_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers' logits [len(token_ids), vocab] (float32) of one unpadded sequence."""
+    with torch.no_grad():
+        return hf_model(path, dtype)(torch.tensor([token_ids])).logits[0].float()
 
 
-def _hf_model(path: str):
+_models: dict[tuple[str, torch.dtype], object] = {}
+
+
+def hf_model(path: Path | str, dtype: torch.dtype = torch.float32):
+    """The checkpoint loaded by transformers, cached for the whole session."""
     import transformers
 
-    if path not in _models:
-        _models[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return _models[path]
+    key = (str(path), dtype)
+    if key not in _models:
+        _models[key] = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    return _models[key]
+

@@ -2,6 +2,27 @@ import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray >= 2.59 turns token auth on for local clusters
 
+import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One intra-op thread: the test models are tiny, and with 2 threads OpenMP spin-waits make every step
+# ~50x slower as soon as anything else (a benchmark, a second pytest) competes for the 2 cores.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(arch, **make_checkpoint_kwargs) -> Path``: each distinct checkpoint is written once per session."""
+    from tests.checkpoints import make_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    cache = {}
+
+    def get(arch: str, **kwargs):
+        key = (arch, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+        if key not in cache:
+            name = "-".join([arch, *(f"{k}{v}" for k, v in key[1])]).replace("/", "_").replace(".", "_")
+            cache[key] = make_checkpoint(root / f"{len(cache)}-{name}", arch, **kwargs)
+        return cache[key]
+
+    return get

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.rope import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding, apply_rope
 from kernels import AttentionBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the step's positions
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +37,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -46,10 +47,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
-        self.rotary = rotary
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: Any) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -57,10 +57,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = kv_cache
         self.backend.store_kv(k, v, k_cache, v_cache, metadata)
-        out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -77,23 +77,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata)
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -104,7 +104,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.model = DecoderModel(cfg, self.rotary, backend)
+        self.model = DecoderModel(cfg, backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -115,8 +115,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: Any) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv_cache, metadata)
+            x = layer(x, rope, kv_cache, metadata)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

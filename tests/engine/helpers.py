@@ -1,0 +1,104 @@
+"""Small shared helpers for the engine tests: engines, schedulers, requests and bounded step loops."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.config import EngineConfig
+from engine.request import Request
+from engine.scheduler import Scheduler, make_scheduler as _make_scheduler
+
+EOS_ID = 2  # demo-tiny's and the test checkpoints' eos
+FIRST_BYTE_ID = 7  # ids below this are special tokens in the byte-level vocabulary
+VOCAB_SIZE = 263
+
+# Small KV pool and batch by default: tests never rely on the CPU default of 1 GiB of KV.
+ENGINE_DEFAULTS: dict[str, Any] = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def make_engine(model: str = "demo-tiny", **overrides: Any) -> LLMEngine:
+    return LLMEngine(str(model), **{**ENGINE_DEFAULTS, **overrides})
+
+
+def make_llm(model: str = "demo-tiny", **overrides: Any) -> LLM:
+    return LLM(str(model), **{**ENGINE_DEFAULTS, **overrides})
+
+
+def greedy(max_tokens: int, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, **kwargs)
+
+
+def random_prompts(num: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of byte tokens (no special tokens), lengths in [min_len, max_len]."""
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_BYTE_ID, VOCAB_SIZE) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num)]
+
+
+def run_engine(engine: LLMEngine, max_steps: int = 2000) -> dict[str, Any]:
+    """Step until no request is left; returns the final output of each request id. Never loops forever."""
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finished
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    raise AssertionError(f"engine still has unfinished requests after {max_steps} steps: {engine.stats()}")
+
+
+def generate_ids(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+                 max_steps: int = 2000) -> list[list[int]]:
+    """Add every prompt, run to completion, return the token ids of each (first sequence), in input order."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    outputs = run_engine(engine, max_steps)
+    return [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+
+# -- scheduler-level helpers --------------------------------------------------------------------------
+
+def make_config(**overrides: Any) -> EngineConfig:
+    values = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    values.update(overrides)
+    return EngineConfig.from_kwargs(**values)
+
+
+def make_scheduler(num_kv_blocks: int = 64, **overrides: Any) -> Scheduler:
+    return _make_scheduler(make_config(**overrides), num_kv_blocks)
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, max_model_len: int = 4096,
+                 arrival_time: float | None = None, **params: Any) -> Request:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    return Request(request_id, list(range(FIRST_BYTE_ID, FIRST_BYTE_ID + prompt_len)), sp,
+                   max_model_len=max_model_len, eos_token_ids=frozenset({EOS_ID}), arrival_time=arrival_time)
+
+
+def make_requests(prompt_lens: list[int], max_tokens: int | list[int] = 8, prefix: str = "r",
+                  **params: Any) -> list[Request]:
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompt_lens)
+    return [make_request(f"{prefix}{i}", n, m, **params) for i, (n, m) in enumerate(zip(prompt_lens, max_tokens))]
+
+
+def fake_step(scheduler: Scheduler, token_id: int | dict[str, int] = 100):
+    """One step with a fake runner: schedule, then give every sampling row ``token_id`` (or a per-id choice).
+
+    Returns (the SchedulerOutput, the requests that got a token).
+    """
+    out = scheduler.schedule()
+    tokens = []
+    for rid, sample in zip(out.request_ids, out.sample):
+        if not sample:
+            tokens.append(None)
+        elif isinstance(token_id, dict):
+            tokens.append(token_id.get(rid, 100))
+        else:
+            tokens.append(token_id)
+    advanced = scheduler.update(tokens) if not out.is_empty else []
+    return out, advanced

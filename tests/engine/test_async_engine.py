@@ -1,0 +1,185 @@
+"""AsyncLLMEngine: streaming, concurrency, cancellation, errors and a dead step loop. No pytest-asyncio:
+each test runs its own event loop with asyncio.run and a timeout, so nothing can hang."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncLLMEngine, EngineDeadError
+from tests.engine.helpers import generate_ids, greedy, make_engine, random_prompts
+
+TIMEOUT_S = 30
+
+
+def run(coro_fn, **engine_args):
+    """Run ``coro_fn(async_engine)`` on a fresh event loop with a timeout; shut the engine down afterwards."""
+    async def main():
+        aengine = AsyncLLMEngine(engine=make_engine(**engine_args))
+        try:
+            return await asyncio.wait_for(coro_fn(aengine), TIMEOUT_S)
+        finally:
+            try:
+                await asyncio.wait_for(aengine.shutdown(), 5)
+            except (EngineDeadError, RuntimeError):
+                pass  # a test killed the loop on purpose; shutting down after that is tested on its own
+
+    return asyncio.run(main())
+
+
+async def collect(aengine, prompt, params, **kwargs):
+    return [out async for out in aengine.generate(prompt, params, **kwargs)]
+
+
+async def wait_until(predicate, timeout_s=3.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+def test_stream_concatenates_to_final_and_matches_sync():
+    prompt = random_prompts(1, 12, 12, seed=1)[0]
+    [want] = generate_ids(make_engine(), [prompt], greedy(10))
+
+    async def body(aengine):
+        return await collect(aengine, prompt, greedy(10))
+
+    outs = run(body)
+    assert len(outs) >= 2, "outputs are streamed step by step"
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    final = outs[-1].outputs[0]
+    assert final.token_ids == want
+    assert [t for o in outs for t in o.outputs[0].new_token_ids] == want
+    assert "".join(o.outputs[0].new_text for o in outs) == final.text
+    assert final.finish_reason == "length"
+
+
+def test_concurrent_generates_all_finish_with_sync_results():
+    prompts = random_prompts(8, 2, 30, seed=2)
+    max_tokens = [3, 8, 5, 1, 6, 2, 7, 4]
+    want = generate_ids(make_engine(), prompts, [greedy(m) for m in max_tokens])
+
+    async def body(aengine):
+        results = await asyncio.gather(*(collect(aengine, p, greedy(m)) for p, m in zip(prompts, max_tokens)))
+        return [r[-1] for r in results], aengine.stats()
+
+    finals, stats = run(body, max_num_seqs=3, max_num_batched_tokens=16)
+    assert all(f.finished for f in finals)
+    assert [f.outputs[0].token_ids for f in finals] == want
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+
+
+LONG = 900  # tokens: far more than can be generated before the blocks must be back (max_model_len is 1024)
+
+
+def test_breaking_out_of_the_stream_aborts_and_frees_blocks():
+    async def body(aengine):
+        async for out in aengine.generate(list(range(7, 40)), greedy(LONG)):
+            assert not out.finished
+            assert aengine.stats()["kv_blocks_used"] > 0
+            break
+        freed = await wait_until(lambda: aengine.stats()["kv_blocks_used"] == 0)
+        idle = await wait_until(lambda: not aengine.engine.has_unfinished_requests())
+        generated = aengine.engine.num_generated_tokens
+        # the engine still serves afterwards
+        after = await collect(aengine, [10, 11], greedy(3))
+        return freed, idle, generated, after
+
+    freed, idle, generated, after = run(body)
+    assert freed, "KV blocks were not freed after the consumer stopped iterating"
+    assert idle and generated < LONG, "the request ran on instead of being aborted"
+    assert after[-1].finished and len(after[-1].outputs[0].token_ids) == 3
+
+
+def test_cancelling_the_task_aborts_and_frees_blocks():
+    async def body(aengine):
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in aengine.generate(list(range(7, 40)), greedy(LONG)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        freed = await wait_until(lambda: aengine.stats()["kv_blocks_used"] == 0 and
+                                 not aengine.engine.has_unfinished_requests())
+        return freed, aengine.engine.num_generated_tokens
+
+    freed, generated = run(body)
+    assert freed, "KV blocks were not freed after the task was cancelled"
+    assert generated < LONG, "the request ran on instead of being aborted"
+
+
+def test_bad_prompt_raises_value_error_and_others_are_unaffected():
+    async def body(aengine):
+        good = asyncio.create_task(collect(aengine, [10, 11, 12], greedy(6)))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(aengine, list(range(7, 7 + 64)), greedy(2))  # longer than max_model_len
+        with pytest.raises(ValueError, match="already in use"):
+            await asyncio.gather(collect(aengine, [10], greedy(3), request_id="same"),
+                                 collect(aengine, [11], greedy(3), request_id="same"))
+        outs = await good
+        aengine.check_health()
+        return outs
+
+    outs = run(body, max_model_len=64)
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+
+
+def test_prompt_too_big_for_the_kv_pool_raises_value_error_not_engine_dead():
+    """The engine is fine: the caller must get a ValueError about the request, not EngineDeadError."""
+    async def body(aengine):
+        with pytest.raises(ValueError, match="num_kv_blocks"):
+            await collect(aengine, list(range(7, 7 + 40)), greedy(2))  # 40 tokens > 8 blocks of 4
+        aengine.check_health()
+        return await collect(aengine, [10, 11], greedy(2))
+
+    outs = run(body, num_kv_blocks=8)
+    assert outs[-1].finished
+
+
+def test_dead_step_loop_fails_health_check_and_in_flight_requests(monkeypatch):
+    async def body(aengine):
+        aengine.check_health()  # healthy before the loop even starts
+        stream = aengine.generate(list(range(7, 20)), greedy(LONG))
+        first = await stream.__anext__()
+        assert not first.finished
+        aengine.check_health()  # healthy while running
+
+        def broken_step():
+            raise RuntimeError("injected fault")
+
+        monkeypatch.setattr(aengine.engine, "step", broken_step)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            aengine.check_health()
+        with pytest.raises(EngineDeadError):
+            await collect(aengine, [10, 11], greedy(2))  # new requests fail fast too
+        return True
+
+    assert run(body)
+
+
+def test_shutdown_after_the_step_loop_died_does_not_raise(monkeypatch):
+    async def body():
+        aengine = AsyncLLMEngine(engine=make_engine())
+
+        def broken_step():
+            raise RuntimeError("injected fault")
+
+        monkeypatch.setattr(aengine.engine, "step", broken_step)
+        with pytest.raises(EngineDeadError):
+            await collect(aengine, [10, 11], greedy(2))
+        await aengine.shutdown()
+
+    asyncio.run(asyncio.wait_for(body(), TIMEOUT_S))
