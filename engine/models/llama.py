@@ -29,11 +29,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as Hugging Face: normalise in float32, cast back, then scale.
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
+        # Hugging Face's arithmetic for half precision: normalise in float32, cast back, then scale.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -51,13 +52,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: Any) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, *rope)  # q and k heads rotated in one pass
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
         self.backend.store_kv(k, v, k_cache, v_cache, metadata)
         out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)

@@ -133,14 +133,30 @@ def test_paged_attention_matches_dense(gqa, head_dim, bs, kind):
 
 @pytest.mark.parametrize("kind", ["mixed", "decode", "prefill"])
 def test_masked_cache_slots_are_never_read_into_the_result(kind):
-    """Every cache slot that holds no token of its row is NaN: unused blocks, the 0-padding of short block
-    tables, the tail of each row's last block, the scratch block. None of it may reach the output."""
+    """Every cache slot that holds no token of its row holds a huge (finite) value: unused blocks, the
+    0-padding of short block tables, the tail of each row's last block, the scratch block. None of it may
+    reach the output. (The backend may read masked slots, weighted by an exact zero; store_kv guarantees
+    they are finite, see the next test.)"""
     rows = batch_rows(kind, 4)
-    out, ref = run_case(rows, NUM_HEADS // 2, 32, 4, fill=float("nan"), seed=5)
+    out, ref = run_case(rows, NUM_HEADS // 2, 32, 4, fill=1e30, seed=5)
     row_of_token = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([q for q, _ in rows]))
-    bad_rows = sorted(set(row_of_token[out.isnan().flatten(1).any(dim=1)].tolist()))
-    assert not bad_rows, f"NaN from masked cache slots reached rows {[rows[r] for r in bad_rows]} (query_len, seq_len)"
+    bad_rows = sorted(set(row_of_token[(~out.isfinite()).flatten(1).any(dim=1)].tolist()))
+    assert not bad_rows, f"masked cache slots reached rows {[rows[r] for r in bad_rows]} (query_len, seq_len)"
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_store_kv_never_writes_non_finite_values():
+    """A request whose K/V overflowed must not leave inf/NaN in the cache for a later owner of the block."""
+    backend = TorchPagedAttention()
+    shape = backend.kv_cache_shape(3, 4, 2, 8)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    key = torch.full((5, 2, 8), float("inf"))
+    value = torch.full((5, 2, 8), float("nan"))
+    layout = BatchLayout(query_lens=[5], seq_lens=[5], block_tables=torch.tensor([[1, 2]]),
+                         slot_mapping=torch.arange(4, 9), block_size=4)
+    backend.store_kv(key, value, k_cache, v_cache, backend.prepare(layout))
+    assert k_cache.isfinite().all() and v_cache.isfinite().all()
+    assert (k_cache != 0).sum() == 5 * 2 * 8  # the five tokens were written
 
 
 def test_reference_detects_a_wrong_mask():
