@@ -38,8 +38,8 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.workloads import (
-    BLOCK_SIZE, KV_BUDGET_TOKENS, NUM_KV_BLOCKS, PAD_ID, BenchRequest, add_common_args,
-    build_checkpoint, describe_workload, format_table, load_average, make_engine, sampling_params,
+    BLOCK_SIZE, PAD_ID, BenchRequest, add_common_args,
+    build_checkpoint, describe_workload, format_table, kv_blocks, load_average, make_engine, sampling_params,
     seed_workload, summarize, warmup_workload, write_json,
 )
 
@@ -143,7 +143,7 @@ def hf_cb_config(args):
     from transformers import ContinuousBatchingConfig
 
     return ContinuousBatchingConfig(
-        page_size=BLOCK_SIZE, num_blocks=NUM_KV_BLOCKS, max_batch_tokens=args.max_num_batched_tokens,
+        page_size=BLOCK_SIZE, num_blocks=kv_blocks(args), max_batch_tokens=args.max_num_batched_tokens,
         max_requests_per_batch=args.max_num_seqs,
         allow_block_sharing=False,  # random prompts share no prefix: prefix hashing would only cost time
         seed=args.seed,
@@ -220,9 +220,9 @@ def ratios(results: dict[str, SystemResult]) -> list[dict[str, Any]]:
 
 
 def print_report(results: dict[str, SystemResult], ratio_rows: list[dict[str, Any]], workload: dict,
-                 loads: tuple[float | None, float | None]) -> None:
+                 loads: tuple[float | None, float | None], args) -> None:
     print(f"\nseed workload: {workload['num_requests']} requests, {workload['prompt_tokens']} prompt tokens, "
-          f"{workload['output_tokens']} useful output tokens; KV budget {KV_BUDGET_TOKENS} tokens; "
+          f"{workload['output_tokens']} useful output tokens; KV budget {args.kv_budget_tokens} tokens; "
           f"torch threads {torch.get_num_threads()}; load average {_load(loads[0])} at start, "
           f"{_load(loads[1])} at end")
     rows = []
@@ -286,11 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     ratio_rows = ratios(results)
     loads = (load_start, load_average())
-    print_report(results, ratio_rows, workload, loads)
+    print_report(results, ratio_rows, workload, loads, args)
     write_json(args.json, {
         "benchmark": "engine_vs_hf",
         "config": {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model_path,
-                   "kv_budget_tokens": KV_BUDGET_TOKENS, "static_batch_size": args.static_batch_size,
+                   "kv_budget_tokens": args.kv_budget_tokens, "static_batch_size": args.static_batch_size,
                    "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                    "load_average_start": loads[0], "load_average_end": loads[1]},
         "workload": workload,

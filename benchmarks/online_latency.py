@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.workloads import (
-    KV_BUDGET_TOKENS, BenchRequest, add_common_args, build_checkpoint, describe_workload, format_table, load_average, make_engine, poisson_arrivals, sampling_params, seed_workload, summarize,
+    BenchRequest, add_common_args, build_checkpoint, describe_workload, format_table, load_average, make_engine, poisson_arrivals, sampling_params, seed_workload, summarize,
     write_json,
 )
 
@@ -108,11 +108,11 @@ def replay(model_path: str, mode: str, requests: Sequence[BenchRequest], arrival
 
 # -- report ---------------------------------------------------------------------------------------------
 def print_report(results: dict[str, ModeResult], capacity: float, rate: float, workload: dict,
-                 loads: tuple[float | None, float | None]) -> dict[str, Any]:
+                 loads: tuple[float | None, float | None], args) -> dict[str, Any]:
     load = ["n/a" if v is None else f"{v:.2f}" for v in loads]
     print(f"\nstatic capacity {capacity:.3f} req/s; Poisson arrivals at {rate:.3f} req/s; "
           f"{workload['num_requests']} requests, {workload['prompt_tokens']} prompt tokens, "
-          f"{workload['output_tokens']} output tokens; KV budget {KV_BUDGET_TOKENS} tokens; "
+          f"{workload['output_tokens']} output tokens; KV budget {args.kv_budget_tokens} tokens; "
           f"torch threads {torch.get_num_threads()}; load average {load[0]} at start, {load[1]} at end")
     headers = ["mode", "metric", "mean s", *(f"p{p} s" for p in PERCENTILES), "wall s"]
     rows = []
@@ -175,11 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[mode] = replay(model_path, mode, requests, arrivals, args)
     workload = describe_workload(requests)
     loads = (load_start, load_average())
-    verdict = print_report(results, capacity, rate, workload, loads)
+    verdict = print_report(results, capacity, rate, workload, loads, args)
     write_json(args.json, {
         "benchmark": "online_latency",
         "config": {**{k: v for k, v in vars(args).items() if k != "json"}, "model": model_path,
-                   "kv_budget_tokens": KV_BUDGET_TOKENS, "torch_threads": torch.get_num_threads(),
+                   "kv_budget_tokens": args.kv_budget_tokens, "torch_threads": torch.get_num_threads(),
                    "cpu_count": os.cpu_count(), "load_average_start": loads[0], "load_average_end": loads[1]},
         "capacity_req_per_s": capacity, "capacity_measured": args.capacity is None, "rate_req_per_s": rate,
         "workload": workload, "arrivals_s": arrivals,

@@ -140,9 +140,9 @@ def describe_workload(requests: Sequence[BenchRequest]) -> dict[str, Any]:
 
 # -- our engine -----------------------------------------------------------------------------------
 def engine_args(batching: str, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                threads: int | None = None) -> dict[str, Any]:
-    """Engine arguments for the benchmark: CPU, fp32, the 8,000-token KV budget."""
-    return dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
+                threads: int | None = None, num_kv_blocks: int = NUM_KV_BLOCKS) -> dict[str, Any]:
+    """Engine arguments for the benchmark: CPU, fp32, by default the 8,000-token KV budget."""
+    return dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, batching=batching,
                 num_threads=threads)
 
@@ -153,9 +153,14 @@ def make_engine(model_path: str, batching: str, args):
     from engine import LLMEngine
 
     max_num_seqs = args.static_batch_size if batching == "static" else args.max_num_seqs
-    engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, args.max_num_batched_tokens, args.threads))
+    engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, args.max_num_batched_tokens, args.threads,
+                                                 kv_blocks(args)))
     warm_up_engine(engine)
     return engine
+
+
+def kv_blocks(args) -> int:
+    return args.kv_budget_tokens // BLOCK_SIZE
 
 
 def sampling_params(max_tokens: int):
@@ -244,6 +249,8 @@ def add_common_args(parser, num_requests: int = 64) -> None:
                         help="output length range, inclusive")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="batch slots (ours; hf-cb's max_requests_per_batch)")
+    parser.add_argument("--kv-budget-tokens", type=int, default=KV_BUDGET_TOKENS,
+                        help="KV cache size in tokens for every engine (the acceptance run uses 8 x 1,000)")
     parser.add_argument("--static-batch-size", type=int, default=8,
                         help="batch slots of static batching (ours and transformers'): 8 slots x 1,000 tokens of KV")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (ours and hf-cb)")

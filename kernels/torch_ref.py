@@ -29,6 +29,7 @@ from kernels.backend import AttentionBackend, BatchLayout
 
 
 QUERY_TILE = 256  # query rows per tile of prefill attention
+DECODE_CHUNK_TOKENS = 128  # context tokens per split-KV chunk of decode attention
 
 
 @dataclass
@@ -44,8 +45,9 @@ class TorchAttentionMetadata:
     slot_blocks: torch.Tensor  # [num_tokens] block each new token's K/V goes to
     slot_offsets: torch.Tensor  # [num_tokens] its offset inside that block
     decode_token_index: torch.Tensor | None  # [num_decode] positions of decode rows in the flat token dim
-    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block ids to gather, row-major
-    decode_hidden: torch.Tensor | None  # [1, num_decode, 1, max_blocks * block_size] True where a key is NOT visible
+    decode_blocks: torch.Tensor | None  # [num_chunks * chunk_blocks] block ids to gather, chunk-major
+    decode_hidden: torch.Tensor | None  # [1, num_chunks, 1, chunk_blocks * block_size] True where a key is NOT visible
+    decode_chunk_row: torch.Tensor | None  # [num_chunks] which decode row each context chunk belongs to
     all_decode: bool
     prefill_rows: list[PrefillRow]
     causal_tile: torch.Tensor | None = None  # [tile, tile] additive mask: -inf above the diagonal
@@ -71,20 +73,17 @@ class TorchPagedAttention(AttentionBackend):
                 prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, blocks))
             token_start += q_len
 
-        decode_index = decode_blocks = decode_hidden = None
+        decode_index = decode_blocks = decode_hidden = chunk_row = None
         if decode_rows:
             seq_lens = torch.tensor([layout.seq_lens[r] for r in decode_rows], device=device)
-            max_blocks = -(-int(seq_lens.max()) // bs)
-            rows = torch.tensor(decode_rows, device=device)
-            decode_blocks = layout.block_tables[rows, :max_blocks].reshape(-1)
-            positions = torch.arange(max_blocks * bs, device=device)
-            decode_hidden = (positions[None, :] >= seq_lens[:, None])[None, :, None, :]
+            decode_blocks, decode_hidden, chunk_row = _split_context(
+                layout.block_tables[torch.tensor(decode_rows, device=device)], seq_lens, bs)
             decode_index = torch.tensor(decode_tokens, device=device)
         tile = min(QUERY_TILE, max((r.token_end - r.token_start for r in prefill_rows), default=1))
         causal_tile = torch.full((tile, tile), float("-inf"), device=device).triu(1)
         return TorchAttentionMetadata(layout.slot_mapping // bs, layout.slot_mapping % bs, decode_index, decode_blocks,
-                                      decode_hidden, all_decode=not prefill_rows, prefill_rows=prefill_rows,
-                                      causal_tile=causal_tile)
+                                      decode_hidden, chunk_row, all_decode=not prefill_rows,
+                                      prefill_rows=prefill_rows, causal_tile=causal_tile)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_blocks, block_size, head_dim)
@@ -119,20 +118,58 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def _decode(query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        """Split-KV decode (flash-decoding): each row's context is cut into fixed-size chunks, every chunk is
+        attended to on its own (one batch of matmuls for all chunks of all rows, no padding to the longest
+        row), then each row's chunks are merged with their softmax statistics."""
         num_decode, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
         if metadata.decode_slabs is None:  # the same for every layer: computed once per step
             metadata.decode_slabs = _slab_index(metadata.decode_blocks, k_cache)
-        # [num_kv_heads, num_decode, context, head_dim]: one gather, no further copies
-        k = _flat(k_cache).index_select(0, metadata.decode_slabs).view(num_kv_heads, num_decode, -1, head_dim)
-        v = _flat(v_cache).index_select(0, metadata.decode_slabs).view(num_kv_heads, num_decode, -1, head_dim)
-        q = query.view(num_decode, num_kv_heads, group, head_dim).transpose(0, 1)  # [num_kv_heads, num_decode, group, head_dim]
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [num_kv_heads, num_decode, group, context]
-        scores = scores.masked_fill(metadata.decode_hidden, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v)  # [num_kv_heads, num_decode, group, head_dim]
-        return out.transpose(0, 1).reshape(num_decode, num_heads, head_dim)
+        chunk_row = metadata.decode_chunk_row
+        num_chunks = chunk_row.shape[0]
+        # [num_kv_heads, num_chunks, chunk_len, head_dim]: one gather, no further copies
+        k = _flat(k_cache).index_select(0, metadata.decode_slabs).view(num_kv_heads, num_chunks, -1, head_dim)
+        v = _flat(v_cache).index_select(0, metadata.decode_slabs).view(num_kv_heads, num_chunks, -1, head_dim)
+        q = (query * scale).view(num_decode, num_kv_heads, group, head_dim)[chunk_row].transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(-1, -2))  # [num_kv_heads, num_chunks, group, chunk_len]
+        scores.masked_fill_(metadata.decode_hidden, float("-inf"))
+        if num_chunks == num_decode:  # one chunk per row: a plain softmax
+            probs = torch.softmax(scores, dim=-1)
+            return torch.matmul(probs, v).transpose(0, 1).reshape(num_decode, num_heads, head_dim)
+        chunk_max = scores.amax(dim=-1, keepdim=True)  # finite: every chunk holds a visible key
+        probs = torch.exp(scores - chunk_max)
+        chunk_sum = probs.sum(dim=-1, keepdim=True)  # [num_kv_heads, num_chunks, group, 1]
+        chunk_out = torch.matmul(probs, v)  # [num_kv_heads, num_chunks, group, head_dim]
+        index = chunk_row.view(1, -1, 1, 1).expand_as(chunk_max)
+        row_max = torch.full((num_kv_heads, num_decode, group, 1), float("-inf"), dtype=scores.dtype,
+                             device=scores.device).scatter_reduce_(1, index, chunk_max, "amax")
+        weight = torch.exp(chunk_max - row_max[:, chunk_row])
+        total = torch.zeros_like(row_max).index_add_(1, chunk_row, chunk_sum * weight)
+        out = torch.zeros((num_kv_heads, num_decode, group, head_dim), dtype=chunk_out.dtype,
+                          device=chunk_out.device).index_add_(1, chunk_row, chunk_out * weight)
+        return (out / total).transpose(0, 1).reshape(num_decode, num_heads, head_dim)
+
+
+def _split_context(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
+    """Cut each row's context into chunks of ``DECODE_CHUNK_TOKENS``.
+
+    Returns the chunks' block ids [num_chunks * chunk_blocks], their hidden mask
+    [1, num_chunks, 1, chunk_blocks * block_size] and the row of each chunk [num_chunks].
+    """
+    device = seq_lens.device
+    chunk_blocks = max(1, DECODE_CHUNK_TOKENS // block_size)
+    chunk_tokens = chunk_blocks * block_size
+    num_chunks = (seq_lens + chunk_tokens - 1) // chunk_tokens  # [num_rows]
+    chunk_row = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), num_chunks)
+    first_chunk = torch.cumsum(num_chunks, 0) - num_chunks
+    chunk_index = torch.arange(len(chunk_row), device=device) - first_chunk[chunk_row]  # chunk number within its row
+    columns = chunk_index[:, None] * chunk_blocks + torch.arange(chunk_blocks, device=device)  # [num_chunks, chunk_blocks]
+    padded = torch.nn.functional.pad(block_tables, (0, chunk_blocks))  # columns past a table read block 0: masked
+    blocks = padded[chunk_row[:, None], columns].reshape(-1)
+    positions = chunk_index[:, None] * chunk_tokens + torch.arange(chunk_tokens, device=device)
+    hidden = (positions >= seq_lens[chunk_row][:, None])[None, :, None, :]
+    return blocks, hidden, chunk_row
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float,
