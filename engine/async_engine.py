@@ -10,12 +10,28 @@ from __future__ import annotations
 import asyncio
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+import time
+from typing import Any, AsyncIterator, Callable
 
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+
+class RequestStream:
+    """A queued request: its id, its prompt's token ids, and the async iterator of its outputs."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], outputs: AsyncIterator[RequestOutput]) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._outputs = outputs
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()
 
 
 class EngineDeadError(RuntimeError):
@@ -33,6 +49,8 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._ids = itertools.count()
+        # Called after every step with (seconds, rows in the batch); the server hangs metrics here.
+        self.step_observer: Callable[[float, int], None] | None = None
 
     @property
     def tokenizer(self):
@@ -47,6 +65,17 @@ class AsyncLLMEngine:
         """Yield this request's outputs step by step; the last one has ``finished=True``.
 
         Leaving the iteration early (or cancelling the task) aborts the request, freeing its KV blocks.
+        A consumer that falls behind gets one output carrying everything since its last one (the
+        ``new_*`` fields joined), so a slow client costs one message per read, not one per token.
+        """
+        async for output in self.submit(prompt, params, request_id, priority):
+            yield output
+
+    def submit(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None,
+               priority: int = 0) -> "RequestStream":
+        """Validate and queue now (a bad request raises ``ValueError`` here), stream the outputs later.
+
+        Iterate the returned stream to the end, or leave it early to abort the request.
         """
         self.check_health()
         self._ensure_loop()
@@ -58,10 +87,16 @@ class AsyncLLMEngine:
         self._queues[request_id] = queue
         self._pending_adds.append(requests)
         self._wakeup.set()
+        return RequestStream(request_id, requests[0].prompt_token_ids, self._stream(request_id, queue))
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
                 item = await queue.get()
+                while not queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+                    nxt = queue.get_nowait()
+                    item = _merge(item, nxt) if isinstance(nxt, RequestOutput) else nxt
                 if isinstance(item, ValueError):
                     raise item  # the request was refused; the engine is fine
                 if isinstance(item, BaseException):
@@ -130,7 +165,10 @@ class AsyncLLMEngine:
                     if not self._pending_adds and not self._pending_aborts:
                         await self._wakeup.wait()
                     continue
+                started = time.perf_counter()
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                if self.step_observer is not None:
+                    self.step_observer(time.perf_counter() - started, self.engine.last_batch_size)
                 for output in outputs:
                     queue = self._queues.get(output.request_id)
                     if queue is not None:
@@ -142,3 +180,11 @@ class AsyncLLMEngine:
             for queue in self._queues.values():
                 queue.put_nowait(e)
             raise
+
+
+def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """``newer`` with the per-step deltas of ``older`` prepended (both of the same request)."""
+    for old, new in zip(older.outputs, newer.outputs):
+        new.new_token_ids = old.new_token_ids + new.new_token_ids
+        new.new_text = old.new_text + new.new_text
+    return newer

@@ -42,6 +42,7 @@ class LLMEngine:
         self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._sequence_ids = itertools.count()
         self.num_steps = 0
+        self.last_batch_size = 0  # rows computed by the latest step
         self.num_generated_tokens = 0
 
     def _resolve_max_model_len(self, cfg) -> int:
@@ -137,6 +138,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler = self.scheduler
         batch = scheduler.schedule()
+        self.last_batch_size = batch.num_rows
         touched: dict[str, None] = dict.fromkeys(r.parent_id for r in scheduler.drain_ended_without_token())
         if not batch.is_empty:
             rows = [r for r, _ in scheduler.scheduled_requests()]
@@ -186,5 +188,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
             "num_steps": self.num_steps,
+            "batch_size": self.last_batch_size,
+            "num_generated_tokens": self.num_generated_tokens,
             "time": time.time(),
         }

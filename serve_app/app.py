@@ -1,0 +1,50 @@
+"""Build the Ray Serve application: ``Router`` (ingress) -> ``LLMReplica`` x N.
+
+``serve run configs/demo.yaml``, or ``serve run serve_app.app:build_app model=/path/to/checkpoint``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from serve_app.config import AppConfig
+from serve_app.replica import LLMReplica
+from serve_app.router import Router
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None, engine_cls: type | None = None):
+    """Compose the application from its arguments; ``engine_cls`` swaps the engine (tests)."""
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica}
+    if config.replica_resources:
+        actor_options["resources"] = dict(config.replica_resources)
+    replica_options: dict[str, Any] = {
+        "ray_actor_options": actor_options,
+        "max_ongoing_requests": config.max_ongoing_requests_per_replica,
+        "request_router_config": RequestRouterConfig(
+            request_router_class="serve_app.request_router:LLMRequestRouter",
+            request_router_kwargs={"policy": config.routing_policy},
+            request_routing_stats_period_s=config.routing_stats_period_s,
+            request_routing_stats_timeout_s=5.0,
+        ),
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 10.0,
+    }
+    if config.autoscaling_config:
+        replica_options["autoscaling_config"] = config.autoscaling_config
+    else:
+        replica_options["num_replicas"] = config.num_replicas
+    replica_kwargs: dict[str, Any] = {"model": config.model, "engine_args": config.engine_args,
+                                      "served_model_name": config.model_name,
+                                      "max_queued_requests": config.max_queued_requests_per_replica}
+    if engine_cls is not None:
+        replica_kwargs["engine_cls"] = engine_cls
+    replicas = serve.deployment(LLMReplica).options(**replica_options).bind(**replica_kwargs)
+    router = serve.deployment(Router).options(
+        num_replicas=config.router_replicas, max_ongoing_requests=config.max_pending_requests * 4,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return router.bind(replicas, config.router_config())

@@ -1,0 +1,76 @@
+"""Errors the HTTP API returns, and the one place that maps them to status codes and OpenAI error bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form, to cross from a replica to the router."""
+        return {"kind": type(self).__name__, "message": self.message, "param": self.param, "code": self.code,
+                "retry_after_s": self.retry_after_s}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "APIError":
+        cls = _KINDS.get(data.get("kind"), APIError)
+        return cls(data["message"], param=data.get("param"), code=data.get("code"),
+                   retry_after_s=data.get("retry_after_s"))
+
+
+class BadRequestError(APIError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(APIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class OverloadedError(APIError):
+    """The request cannot be taken now (queue full, or its deadline cannot be met): 429 + Retry-After."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+
+
+class RequestTimeoutError(APIError):
+    status_code = 504
+    error_type = "timeout"
+
+
+class ServiceUnavailableError(APIError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+_KINDS = {cls.__name__: cls for cls in (APIError, BadRequestError, ModelNotFoundError, OverloadedError,
+                                        RequestTimeoutError, ServiceUnavailableError)}
+
+
+def param_of_value_error(message: str) -> str | None:
+    """Engine ValueErrors start with the argument they are about ("max_tokens: ...", "top_p must ...")."""
+    head = message.split(" ", 1)[0].rstrip(":,")
+    return head if head.isidentifier() else None

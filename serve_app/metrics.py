@@ -1,0 +1,91 @@
+"""Prometheus metrics through ``ray.serve.metrics``: Ray exports them (prefixed ``ray_``) on its metrics port.
+
+Replicas own the engine-side series; the router owns admission rejections and timeouts it decides itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import metrics
+
+LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+STEP_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+
+
+class ReplicaMetrics:
+    def __init__(self, model_name: str) -> None:
+        tags = {"model": model_name}
+
+        def gauge(name: str, doc: str) -> metrics.Gauge:
+            g = metrics.Gauge(name, description=doc, tag_keys=("model",))
+            g.set_default_tags(tags)
+            return g
+
+        def counter(name: str, doc: str) -> metrics.Counter:
+            c = metrics.Counter(name, description=doc, tag_keys=("model",))
+            c.set_default_tags(tags)
+            return c
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> metrics.Histogram:
+            h = metrics.Histogram(name, description=doc, boundaries=buckets, tag_keys=("model",))
+            h.set_default_tags(tags)
+            return h
+
+        self.kv_usage = gauge("llm_kv_cache_usage_ratio", "KV blocks in use / total blocks")
+        self.kv_token_usage = gauge("llm_kv_cache_token_usage_ratio",
+                                    "KV token slots holding data / all token slots (the gap to block usage is fragmentation)")
+        self.running = gauge("llm_num_requests_running", "requests holding a batch slot")
+        self.waiting = gauge("llm_num_requests_waiting", "requests queued in the engine")
+        self.batch_size = gauge("llm_batch_size", "rows in the latest engine step")
+        self.ttft = histogram("llm_time_to_first_token_seconds", "arrival to first token", LATENCY_BUCKETS_S)
+        self.tpot = histogram("llm_time_per_output_token_seconds", "mean time between output tokens",
+                              STEP_BUCKETS_S)
+        self.e2e = histogram("llm_e2e_request_latency_seconds", "arrival to finish", LATENCY_BUCKETS_S)
+        self.queue_time = histogram("llm_request_queue_time_seconds", "arrival to first scheduled",
+                                    LATENCY_BUCKETS_S)
+        self.step_time = histogram("llm_scheduler_step_seconds", "one engine step (schedule, run, outputs)",
+                                   STEP_BUCKETS_S)
+        self.preemptions = counter("llm_num_preemptions", "requests preempted for KV blocks")
+        self.rejections = counter("llm_admission_rejections", "requests refused with 429")
+        self.timeouts = counter("llm_request_timeouts", "requests ended by their deadline")
+        self.prompt_tokens = counter("llm_prompt_tokens", "prompt tokens of admitted requests")
+        self.generation_tokens = counter("llm_generation_tokens", "tokens generated")
+        self._last_preemptions = 0
+
+    def observe_step(self, seconds: float, batch_size: int) -> None:
+        self.step_time.observe(seconds)
+        self.batch_size.set(batch_size)
+
+    def observe_stats(self, stats: dict[str, Any]) -> None:
+        self.kv_usage.set(stats["kv_block_usage"])
+        self.kv_token_usage.set(stats["kv_token_usage"])
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        new_preemptions = stats["num_preemptions"] - self._last_preemptions
+        if new_preemptions > 0:
+            self.preemptions.inc(new_preemptions)
+        self._last_preemptions = stats["num_preemptions"]
+
+    def observe_finished(self, metrics_: Any, num_output_tokens: int, timed_out: bool) -> None:
+        arrival = metrics_.arrival_time
+        if metrics_.first_token_time is not None:
+            self.ttft.observe(metrics_.first_token_time - arrival)
+            if num_output_tokens > 1 and metrics_.finished_time is not None:
+                self.tpot.observe((metrics_.finished_time - metrics_.first_token_time) / (num_output_tokens - 1))
+        if metrics_.first_scheduled_time is not None:
+            self.queue_time.observe(metrics_.first_scheduled_time - arrival)
+        if metrics_.finished_time is not None:
+            self.e2e.observe(metrics_.finished_time - arrival)
+        if timed_out:
+            self.timeouts.inc()
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.rejections = metrics.Counter("llm_admission_rejections", description="requests refused with 429",
+                                          tag_keys=("model",))
+        self.rejections.set_default_tags({"model": model_name})
+        self.timeouts = metrics.Counter("llm_request_timeouts", description="requests ended by their deadline",
+                                        tag_keys=("model",))
+        self.timeouts.set_default_tags({"model": model_name})

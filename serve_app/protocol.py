@@ -1,0 +1,179 @@
+"""OpenAI-compatible request schemas (pydantic, at the HTTP edge) and their translation for the engine.
+
+We accept OpenAI's parameters and vLLM's extensions (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``priority``) plus our own ``timeout`` (seconds). OpenAI parameters we do not
+implement are accepted only at their neutral value, so a request never silently means something else.
+Unknown fields are rejected, as the OpenAI API does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+    # ours: a deadline in seconds covering queueing, prefill and decode
+    timeout: float | None = Field(default=None, gt=0.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value):
+        if value not in (None, 0, 0.0):
+            raise ValueError("is not supported by this server (only 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+        """Keyword arguments for ``engine.SamplingParams`` (which checks them again, once, for everyone)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return {
+            "n": self.n,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": self.top_k or 0,
+            "min_p": self.min_p or 0.0,
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "stop": stops,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+        }
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value):
+        if value == "" or value == [] or value == [[]]:
+            raise ValueError("must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of not in (None, 1, self.n):
+            raise ValueError("best_of is not supported by this server")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One or more prompts: a string, strings, token ids, or lists of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """Text content; parts of type text are joined (other parts are not supported)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content part of type {part.get('type')!r} is not supported (only text)")
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,145 @@
+"""``LLMReplica``: one engine per replica, streaming plain-dict chunks to the router.
+
+The engine class is injected (``engine_cls``) so tests and other engines can stand in. Messages are
+plain dicts, never tensors: ``{"started": ...}`` once the request is validated and queued, then one
+chunk per engine step at most (more tokens per chunk when the router reads slower than the engine
+writes), or a single ``{"error": ...}``. Leaving the stream early aborts the request in the engine,
+which frees its KV blocks in the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import ray
+from ray import serve
+
+from engine import AsyncLLMEngine, SamplingParams
+from engine.outputs import RequestOutput
+from serve_app.admission import DrainRate
+from serve_app.errors import BadRequestError, OverloadedError, param_of_value_error
+from serve_app.metrics import ReplicaMetrics
+
+logger = logging.getLogger("ray.serve")
+
+STATS_PERIOD_S = 0.5
+
+
+class LLMReplica:
+    def __init__(self, model: str = "demo-tiny", engine_args: dict[str, Any] | None = None,
+                 served_model_name: str | None = None, max_queued_requests: int = 256,
+                 engine_cls: type = AsyncLLMEngine) -> None:
+        self.model_name = served_model_name or model
+        self.engine = engine_cls(model, **(engine_args or {}))
+        self.max_queued_requests = max_queued_requests
+        self.metrics = ReplicaMetrics(self.model_name)
+        self.engine.step_observer = self.metrics.observe_step
+        self.drain = DrainRate()
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside Serve (unit use): no replica context
+            self.replica_id = "local"
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        self._stats_task: asyncio.Task | None = None
+
+    # -- requests -----------------------------------------------------------------------------------
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self._ensure_stats_task()
+        stats = self.engine.stats()
+        if stats["num_waiting"] >= self.max_queued_requests:
+            self.metrics.rejections.inc()
+            retry = self.drain.seconds_to_drain(stats["num_waiting"] - self.max_queued_requests + 1)
+            yield {"error": OverloadedError(f"replica queue is full ({stats['num_waiting']} waiting)",
+                                            retry_after_s=retry).to_dict()}
+            return
+        try:
+            prompt = self._prompt(request)
+            params = SamplingParams(**request["params"], timeout_s=request.get("timeout_s"))
+            stream = self.engine.submit(prompt, params, request_id=request["request_id"],
+                                        priority=request.get("priority", 0))
+        except ValueError as e:
+            yield {"error": BadRequestError(str(e), param=param_of_value_error(str(e))).to_dict()}
+            return
+        num_prompt_tokens = len(stream.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(num_prompt_tokens * params.n)
+        yield {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
+        sent_logprobs = [0] * params.n
+        async for output in stream:
+            yield self._chunk(output, sent_logprobs, params.logprobs or 0)
+            if output.finished:
+                self._on_finished(output)
+
+    def _prompt(self, request: dict[str, Any]):
+        if request["kind"] == "chat":
+            tokenizer = self.engine.tokenizer
+            text = tokenizer.apply_chat_template(request["messages"],
+                                                 add_generation_prompt=request.get("add_generation_prompt", True))
+            # The template writes the special tokens itself.
+            return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        return request["prompt"]
+
+    def _chunk(self, output: RequestOutput, sent_logprobs: list[int], num_top: int) -> dict[str, Any]:
+        choices = []
+        for completion in output.outputs:
+            choice = {"index": completion.index, "text": completion.new_text,
+                      "num_tokens": len(completion.new_token_ids), "finish_reason": completion.finish_reason,
+                      "stop_reason": completion.stop_reason}
+            self.metrics.generation_tokens.inc(len(completion.new_token_ids))
+            if completion.logprobs is not None:
+                new = completion.logprobs[sent_logprobs[completion.index]:]
+                sent_logprobs[completion.index] = len(completion.logprobs)
+                choice["logprobs"] = [_logprob_entry(entry, token_id, num_top) for entry, token_id in
+                                      zip(new, completion.token_ids[len(completion.token_ids) - len(new):])]
+            choices.append(choice)
+        return {"choices": choices, "finished": output.finished}
+
+    def _on_finished(self, output: RequestOutput) -> None:
+        self.drain.record()
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        timed_out = any(c.finish_reason == "timeout" for c in output.outputs)
+        self.metrics.observe_finished(output.metrics, num_tokens // max(1, len(output.outputs)), timed_out)
+
+    # -- state ---------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        return {"replica_id": self.replica_id, "node_id": self.node_id, "model": self.model_name,
+                "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
+                "num_queued_prompt_tokens": stats["num_queued_prompt_tokens"],
+                "kv_blocks_used": stats["kv_blocks_used"], "kv_blocks_total": stats["kv_blocks_total"],
+                "kv_blocks_free": stats["kv_blocks_free"], "kv_token_usage": stats["kv_token_usage"],
+                "max_num_seqs": stats["max_num_seqs"], "max_model_len": stats["max_model_len"],
+                "num_preemptions": stats["num_preemptions"], "time": time.time()}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Serve for the request router (and /stats): exact engine state, time-stamped."""
+        self._ensure_stats_task()
+        return self.stats()
+
+    async def check_health(self) -> None:
+        self.engine.check_health()  # raises EngineDeadError if the step loop died
+
+    async def ping(self) -> str:
+        return self.replica_id
+
+    def _ensure_stats_task(self) -> None:
+        if self._stats_task is None:
+            self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats())
+
+    async def _publish_stats(self) -> None:
+        while True:
+            try:
+                self.metrics.observe_stats(self.engine.stats())
+            except Exception:  # metrics must never take the replica down
+                logger.exception("failed to publish engine metrics")
+            await asyncio.sleep(STATS_PERIOD_S)
+
+
+def _logprob_entry(entry: dict, token_id: int, num_top: int) -> dict[str, Any]:
+    """One generated token's logprob and the top ``num_top`` alternatives, as (text, logprob) pairs."""
+    chosen = entry[token_id]
+    top = sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
+    return {"token": chosen.decoded_token or "", "logprob": chosen.logprob,
+            "top": [(lp.decoded_token or "", lp.logprob) for lp in top]}

@@ -1,0 +1,58 @@
+"""Ray Serve ``RequestRouter`` for LLM replicas: applies ``serve_app.routing`` policies inside Serve's handle.
+
+Why a RequestRouter rather than picking replicas by hand in the router deployment: it runs in
+the same process as the handle that sends the request, sees the live replica set (replicas that
+died or were added by autoscaling), gets each replica's ``record_routing_stats`` report, and keeps
+Serve's own backpressure and fallback when a replica is at ``max_ongoing_requests``. Counting
+our own in-flight requests per replica (``on_request_routed``/``on_request_completed``) keeps
+decisions current between reports.
+
+The latest report of every replica is also kept in ``LATEST_STATS`` for the router's ``/stats``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, Optional
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats
+
+LATEST_STATS: dict[str, dict[str, Any]] = {}  # replica id -> its latest routing stats, in this process
+
+
+class LLMRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, policy: str = "least_loaded", load_cap: float = 1.5, **_: Any) -> None:
+        self.policy = RoutingPolicy(policy, load_cap)
+        self.in_flight: dict[str, int] = defaultdict(int)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for replica in replicas:
+            if replica.routing_stats:
+                LATEST_STATS[replica.replica_id.unique_id] = dict(replica.routing_stats)
+        for replica_id in list(LATEST_STATS):
+            if replica_id not in live:
+                del LATEST_STATS[replica_id]
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        now = time.time()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = [ReplicaLoad(rid, self.in_flight[rid], fresh_stats(r.routing_stats, now)) for rid, r in by_id.items()]
+        key = None
+        if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], dict):
+            key = pending_request.args[0].get("prefix_key")
+        return [[by_id[load.replica_id]] for load in self.policy.rank(loads, key)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self.in_flight[replica_id.unique_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self.in_flight[replica_id.unique_id] > 0:
+            self.in_flight[replica_id.unique_id] -= 1

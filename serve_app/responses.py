@@ -1,0 +1,115 @@
+"""OpenAI response bodies and SSE chunks, built as plain dicts (cheap on the streaming hot path).
+
+Required-but-null fields (``logprobs``, ``message.refusal``, ``system_fingerprint``...) are always present,
+so responses validate against the official OpenAPI description.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+FINISH_REASONS = {"stop": "stop", "length": "length"}  # "abort"/"timeout" never reach a 200 body
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: list[dict[str, Any]], text_offset_start: int) -> dict[str, Any]:
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset_start
+    for entry in entries:
+        tokens.append(entry["token"])
+        token_logprobs.append(entry["logprob"])
+        top_logprobs.append({text: logprob for text, logprob in entry["top"]})
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    def item(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+               for e in entries]
+    return {"content": content, "refusal": None}
+
+
+class ChoiceState:
+    """What one choice has accumulated (text, tokens, logprobs) while a request runs."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[dict[str, Any]] = []
+        self.finish_reason: str | None = None
+
+    def add(self, choice: dict[str, Any]) -> None:
+        self.text += choice["text"]
+        self.num_tokens += choice["num_tokens"]
+        self.logprobs.extend(choice.get("logprobs") or [])
+        if choice["finish_reason"] is not None:
+            self.finish_reason = choice["finish_reason"]
+
+
+def completion_response(request_id: str, model: str, choices: list[ChoiceState], prompt_tokens: int,
+                        with_logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": c.index, "text": c.text, "finish_reason": FINISH_REASONS.get(c.finish_reason, "stop"),
+                     "logprobs": completion_logprobs(c.logprobs, 0) if with_logprobs else None} for c in choices],
+        "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices)),
+    }
+
+
+def chat_response(request_id: str, model: str, choices: list[ChoiceState], prompt_tokens: int,
+                  with_logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": c.index,
+                     "message": {"role": "assistant", "content": c.text, "refusal": None, "annotations": []},
+                     "finish_reason": FINISH_REASONS.get(c.finish_reason, "stop"),
+                     "logprobs": chat_logprobs(c.logprobs) if with_logprobs else None} for c in choices],
+        "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices)),
+    }
+
+
+def completion_chunk(request_id: str, model: str, created: int, choice: dict[str, Any], text_offset: int,
+                     with_logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "text_completion", "created": created, "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": choice["index"], "text": choice["text"],
+                     "finish_reason": FINISH_REASONS.get(choice["finish_reason"]) if choice["finish_reason"] else None,
+                     "logprobs": completion_logprobs(choice.get("logprobs") or [], text_offset)
+                     if with_logprobs else None}],
+    }
+
+
+def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dict[str, Any],
+               finish_reason: str | None, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": index, "delta": delta,
+                     "finish_reason": FINISH_REASONS.get(finish_reason) if finish_reason else None,
+                     "logprobs": chat_logprobs(logprobs) if logprobs is not None else None}],
+    }
+
+
+def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"

@@ -1,0 +1,312 @@
+"""``Router``: the ingress deployment. OpenAI HTTP API, admission control, deadlines, retries.
+
+A request's path: parse and validate (400 with OpenAI's error body), check the model (404), take an
+admission slot or answer 429 with Retry-After, then open a stream to a replica through the handle
+(the request router picks which). The replica's first message says the request is queued (or why
+not); after that the router relays chunks as SSE or gathers them into one JSON body. A replica
+that dies before any token reached the client is retried elsewhere, a bounded number of times;
+one that dies mid-stream ends the stream with an error event. The deadline (``timeout``, or the
+configured default) covers queueing, prefill and decode: the engine ends the request when it
+passes, and the router cancels the replica call if even that does not come back in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app import responses as R
+from serve_app.admission import AdmissionController
+from serve_app.config import RouterConfig
+from serve_app.errors import (APIError, BadRequestError, ModelNotFoundError, OverloadedError, RequestTimeoutError,
+                              ServiceUnavailableError)
+from serve_app.metrics import RouterMetrics
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.request_router import LATEST_STATS
+from serve_app.routing import prefix_key
+
+logger = logging.getLogger("ray.serve")
+
+REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+DEADLINE_GRACE_S = 2.0  # the engine ends a late request itself; the router steps in only after this
+
+api = FastAPI(title="inflight", docs_url="/docs")
+
+
+class ReplicaLost(Exception):
+    """The replica serving a request went away after tokens were sent: the stream cannot be resumed."""
+
+
+@serve.ingress(api)
+class Router:
+    def __init__(self, replicas: DeploymentHandle, config: RouterConfig) -> None:
+        self.replicas = replicas.options(stream=True)
+        self.config = config
+        self.model_name = config.served_model_name
+        self.admission = AdmissionController(config.max_pending_requests)
+        self.metrics = RouterMetrics(self.model_name)
+        self.created = int(time.time())
+
+    # -- routes ------------------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "inflight"}]}
+
+    @api.get("/stats")
+    async def stats(self) -> dict[str, Any]:
+        """Per-replica state as last reported (at most ``request_routing_stats_period_s`` old)."""
+        if not LATEST_STATS:
+            await self._touch_replicas()
+        return {"replicas": sorted(LATEST_STATS.values(), key=lambda s: s["replica_id"]),
+                "router": {"in_flight": self.admission.in_flight, "max_pending_requests": self.admission.max_in_flight,
+                           "num_rejected": self.admission.num_rejected}}
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, "chat")
+
+    # -- one request ---------------------------------------------------------------------------------
+    async def _serve(self, http: Request, schema: type, kind: str) -> Response:
+        try:
+            body = await self._parse(http, schema)
+            if body.model != self.model_name:
+                raise ModelNotFoundError(f"model {body.model!r} does not exist; this server serves "
+                                         f"{self.model_name!r}", param="model", code="model_not_found")
+            retry_after = self.admission.try_acquire()
+            if retry_after is not None:
+                self.metrics.rejections.inc()
+                raise OverloadedError(f"server is at capacity ({self.admission.max_in_flight} requests in flight); "
+                                      f"retry later", retry_after_s=retry_after)
+        except APIError as e:
+            return _error_response(e)
+        try:
+            payloads = self._payloads(body, kind)
+            deadline = time.monotonic() + (body.timeout or self.config.default_timeout_s)
+            if body.stream:
+                stream = await self._stream_response(payloads, body, kind, deadline)
+                return StreamingResponse(self._released(stream), media_type="text/event-stream")
+            result = await self._full_response(payloads, body, kind, deadline)
+            self.admission.release()
+            return JSONResponse(result)
+        except APIError as e:
+            self.admission.release()
+            if isinstance(e, RequestTimeoutError):
+                self.metrics.timeouts.inc()
+            return _error_response(e)
+        except BaseException:
+            self.admission.release()
+            raise
+
+    async def _released(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            self.admission.release()
+
+    async def _parse(self, http: Request, schema: type):
+        raw = await http.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequestError(f"request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise BadRequestError("request body must be a JSON object")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            message = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()[:5])
+            raise BadRequestError(message, param=param) from None
+
+    def _payloads(self, body, kind: str) -> list[dict[str, Any]]:
+        """One replica request per prompt (a completions call may carry several prompts)."""
+        base_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        if kind == "chat":
+            try:
+                messages = body.plain_messages()
+            except ValueError as e:
+                raise BadRequestError(str(e), param="messages") from None
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            params = body.sampling_kwargs(body.max_new_tokens(), logprobs)
+            return [{"kind": "chat", "request_id": base_id, "messages": messages, "params": params,
+                     "priority": body.priority, "prefix_key": prefix_key(messages),
+                     "add_generation_prompt": body.add_generation_prompt}]
+        params = body.sampling_kwargs(body.max_tokens, body.logprobs)
+        return [{"kind": "completion", "request_id": base_id if i == 0 else f"{base_id}-{i}", "prompt": prompt,
+                 "params": params, "priority": body.priority, "prefix_key": prefix_key(prompt)}
+                for i, prompt in enumerate(body.prompts())]
+
+    async def _open(self, payload: dict[str, Any], deadline: float, attempt_base: int = 0):
+        """Start the request on some replica; returns (response generator, first message)."""
+        last_error: BaseException | None = None
+        for attempt in range(attempt_base, self.config.max_attempts):
+            request = {**payload, "timeout_s": max(0.001, deadline - time.monotonic())}
+            if attempt:
+                request["request_id"] = f"{payload['request_id']}-retry{attempt}"
+            gen = self.replicas.generate.remote(request)
+            try:
+                first = await asyncio.wait_for(gen.__anext__(), timeout=max(0.001, deadline + DEADLINE_GRACE_S
+                                                                            - time.monotonic()))
+            except REPLICA_GONE as e:
+                last_error = e
+                logger.warning("replica lost before request %s started (attempt %d): %r", payload["request_id"],
+                               attempt + 1, e)
+                await asyncio.sleep(min(1.0, 0.1 * 2 ** attempt))
+                continue
+            except asyncio.TimeoutError:
+                gen.cancel()
+                raise RequestTimeoutError("request timed out before it started", code="timeout") from None
+            except BaseException:
+                gen.cancel()
+                raise
+            if "error" in first:
+                raise APIError.from_dict(first["error"])
+            return gen, first
+        raise ServiceUnavailableError(f"no replica could take the request after {self.config.max_attempts} attempts: "
+                                      f"{last_error!r}")
+
+    async def _chunks(self, payload: dict[str, Any], deadline: float) -> AsyncIterator[dict[str, Any]]:
+        """The replica's messages for one prompt, retrying on another replica while nothing was relayed."""
+        gen, first = await self._open(payload, deadline)
+        yield first
+        relayed_tokens = False
+        attempt = 0
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(gen.__anext__(),
+                                                   timeout=max(0.001, deadline + DEADLINE_GRACE_S - time.monotonic()))
+                except StopAsyncIteration:
+                    return
+                except REPLICA_GONE as e:
+                    if relayed_tokens or attempt + 1 >= self.config.max_attempts:
+                        raise ReplicaLost(f"the replica serving this request was lost: {e!r}") from None
+                    attempt += 1
+                    gen, _ = await self._open(payload, deadline, attempt_base=attempt)
+                    continue
+                except asyncio.TimeoutError:
+                    raise RequestTimeoutError("request timed out", code="timeout") from None
+                relayed_tokens = relayed_tokens or any(c["num_tokens"] for c in chunk["choices"])
+                yield chunk
+        finally:
+            gen.cancel()  # a no-op when finished; aborts the engine request when we leave early
+
+    async def _full_response(self, payloads: list[dict[str, Any]], body, kind: str, deadline: float) -> dict:
+        n = body.n
+        results = await asyncio.gather(*(self._collect(p, n, deadline) for p in payloads))
+        choices: list[R.ChoiceState] = []
+        prompt_tokens = 0
+        for i, (states, tokens) in enumerate(results):
+            prompt_tokens += tokens
+            for state in states:
+                state.index = i * n + state.index
+                choices.append(state)
+        request_id = payloads[0]["request_id"]
+        if kind == "chat":
+            return R.chat_response(request_id, self.model_name, choices, prompt_tokens, body.logprobs)
+        return R.completion_response(request_id, self.model_name, choices, prompt_tokens, body.logprobs is not None)
+
+    async def _collect(self, payload: dict[str, Any], n: int, deadline: float) -> tuple[list[R.ChoiceState], int]:
+        states = [R.ChoiceState(i) for i in range(n)]
+        prompt_tokens = 0
+        try:
+            async for chunk in self._chunks(payload, deadline):
+                if chunk.get("started"):
+                    prompt_tokens = chunk["prompt_tokens"]
+                    continue
+                for choice in chunk["choices"]:
+                    states[choice["index"]].add(choice)
+        except ReplicaLost as e:
+            raise ServiceUnavailableError(str(e)) from None
+        if any(s.finish_reason == "timeout" for s in states):
+            raise RequestTimeoutError("request timed out (queueing, prefill and decode)", code="timeout")
+        if any(s.finish_reason == "abort" for s in states):
+            raise ServiceUnavailableError("request was aborted by the engine")
+        return states, prompt_tokens
+
+    async def _stream_response(self, payloads: list[dict[str, Any]], body, kind: str,
+                               deadline: float) -> AsyncIterator[str]:
+        if len(payloads) > 1:
+            raise BadRequestError("streaming takes one prompt per request", param="prompt")
+        chunks = self._chunks(payloads[0], deadline)
+        first = await chunks.__anext__()  # errors before any byte is sent become HTTP statuses
+        return self._sse(chunks, first["prompt_tokens"], payloads[0]["request_id"], body, kind)
+
+    async def _sse(self, chunks: AsyncIterator[dict[str, Any]], prompt_tokens: int, request_id: str, body,
+                   kind: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        model = self.model_name
+        completion_tokens = 0
+        text_offsets = [0] * body.n
+        try:
+            if kind == "chat":
+                for i in range(body.n):
+                    yield R.sse(R.chat_chunk(request_id, model, created, i, {"role": "assistant", "content": ""},
+                                             None, None))
+            async for chunk in chunks:
+                for choice in chunk["choices"]:
+                    completion_tokens += choice["num_tokens"]
+                    reason = choice["finish_reason"]
+                    if reason == "timeout":
+                        self.metrics.timeouts.inc()
+                        raise RequestTimeoutError("request timed out (queueing, prefill and decode)", code="timeout")
+                    if reason == "abort":
+                        raise ServiceUnavailableError("request was aborted by the engine")
+                    if not choice["text"] and not reason and not choice.get("logprobs"):
+                        continue
+                    if kind == "chat":
+                        delta = {"content": choice["text"]} if choice["text"] or not reason else {}
+                        logprobs = choice.get("logprobs") if body.logprobs else None
+                        yield R.sse(R.chat_chunk(request_id, model, created, choice["index"], delta, reason, logprobs))
+                    else:
+                        yield R.sse(R.completion_chunk(request_id, model, created, choice, text_offsets[choice["index"]],
+                                                       body.logprobs is not None))
+                        text_offsets[choice["index"]] += len(choice["text"])
+            if body.include_usage():
+                obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+                yield R.sse(R.usage_chunk(request_id, model, created, obj, prompt_tokens, completion_tokens))
+        except (APIError, ReplicaLost) as e:
+            error = e if isinstance(e, APIError) else ServiceUnavailableError(str(e))
+            if isinstance(error, RequestTimeoutError):
+                self.metrics.timeouts.inc()
+            yield R.sse(error.body())
+        finally:
+            await chunks.aclose()
+        yield R.sse("[DONE]")
+
+    async def _touch_replicas(self) -> None:
+        """Make sure this process's request router exists and has seen the replicas' reports."""
+        try:
+            await asyncio.wait_for(self.replicas.options(stream=False).ping.remote(), timeout=2.0)
+        except Exception:  # /stats is best effort; an empty list says no report arrived yet
+            return
+        for _ in range(20):
+            if LATEST_STATS:
+                return
+            await asyncio.sleep(0.1)
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
