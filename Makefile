@@ -9,7 +9,7 @@ TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install run test demo bench clean
+.PHONY: install run test demo clean
 
 install: $(STAMP)
 
@@ -23,10 +23,18 @@ $(STAMP): pyproject.toml
 	fi
 	touch $(STAMP)
 
-run: install
-	$(PY) -m engine.demo
+CONFIG ?= configs/demo.yaml
 
-demo: run
+# Ray with the dashboard on 127.0.0.1:8265 and metrics on :8080, then the app; Ctrl-C stops both.
+run: install
+	$(VENV)/bin/ray stop --force >/dev/null 2>&1 || true
+	$(VENV)/bin/ray start --head --disable-usage-stats --include-dashboard=true --dashboard-host 127.0.0.1 \
+		--dashboard-port 8265 --metrics-export-port 8080
+	trap '$(VENV)/bin/ray stop --force >/dev/null 2>&1' EXIT; \
+		$(VENV)/bin/serve run --address auto $(CONFIG)
+
+demo: install
+	$(PY) -m engine.demo
 
 test: install
 	$(PY) -m pytest tests -q

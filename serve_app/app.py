@@ -15,9 +15,13 @@ from serve_app.replica import LLMReplica
 from serve_app.router import Router
 
 
-def build_app(args: dict[str, Any] | AppConfig | None = None, engine_cls: type | None = None):
-    """Compose the application from its arguments; ``engine_cls`` swaps the engine (tests)."""
-    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+def build_app(args: dict[str, Any]):
+    """Serve's application builder: ``args`` from the config file or ``serve run ... key=value``."""
+    return make_app(AppConfig.model_validate(args or {}))
+
+
+def make_app(config: AppConfig, engine_cls: type | None = None):
+    """Compose the application; ``engine_cls`` swaps the engine class the replicas hold."""
     actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica}
     if config.replica_resources:
         actor_options["resources"] = dict(config.replica_resources)

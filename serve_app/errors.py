@@ -61,13 +61,20 @@ class RequestTimeoutError(APIError):
     error_type = "timeout"
 
 
+class ServerError(APIError):
+    """Something failed on our side; the body says what, without a traceback."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
 class ServiceUnavailableError(APIError):
     status_code = 503
     error_type = "service_unavailable"
 
 
 _KINDS = {cls.__name__: cls for cls in (APIError, BadRequestError, ModelNotFoundError, OverloadedError,
-                                        RequestTimeoutError, ServiceUnavailableError)}
+                                        RequestTimeoutError, ServerError, ServiceUnavailableError)}
 
 
 def param_of_value_error(message: str) -> str | None:

@@ -14,23 +14,16 @@ STEP_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 
 
 class ReplicaMetrics:
-    def __init__(self, model_name: str) -> None:
-        tags = {"model": model_name}
-
+    def __init__(self) -> None:
+        # Serve tags every series with its application, deployment and replica; that names the model too.
         def gauge(name: str, doc: str) -> metrics.Gauge:
-            g = metrics.Gauge(name, description=doc, tag_keys=("model",))
-            g.set_default_tags(tags)
-            return g
+            return metrics.Gauge(name, description=doc)
 
         def counter(name: str, doc: str) -> metrics.Counter:
-            c = metrics.Counter(name, description=doc, tag_keys=("model",))
-            c.set_default_tags(tags)
-            return c
+            return metrics.Counter(name, description=doc)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> metrics.Histogram:
-            h = metrics.Histogram(name, description=doc, boundaries=buckets, tag_keys=("model",))
-            h.set_default_tags(tags)
-            return h
+            return metrics.Histogram(name, description=doc, boundaries=buckets)
 
         self.kv_usage = gauge("llm_kv_cache_usage_ratio", "KV blocks in use / total blocks")
         self.kv_token_usage = gauge("llm_kv_cache_token_usage_ratio",
@@ -82,10 +75,6 @@ class ReplicaMetrics:
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str) -> None:
-        self.rejections = metrics.Counter("llm_admission_rejections", description="requests refused with 429",
-                                          tag_keys=("model",))
-        self.rejections.set_default_tags({"model": model_name})
-        self.timeouts = metrics.Counter("llm_request_timeouts", description="requests ended by their deadline",
-                                        tag_keys=("model",))
-        self.timeouts.set_default_tags({"model": model_name})
+    def __init__(self) -> None:
+        self.rejections = metrics.Counter("llm_admission_rejections", description="requests refused with 429")
+        self.timeouts = metrics.Counter("llm_request_timeouts", description="requests ended by their deadline")

@@ -35,7 +35,7 @@ class LLMReplica:
         self.model_name = served_model_name or model
         self.engine = engine_cls(model, **(engine_args or {}))
         self.max_queued_requests = max_queued_requests
-        self.metrics = ReplicaMetrics(self.model_name)
+        self.metrics = ReplicaMetrics()
         self.engine.step_observer = self.metrics.observe_step
         self.drain = DrainRate()
         try:
@@ -64,7 +64,7 @@ class LLMReplica:
             yield {"error": BadRequestError(str(e), param=param_of_value_error(str(e))).to_dict()}
             return
         num_prompt_tokens = len(stream.prompt_token_ids)
-        self.metrics.prompt_tokens.inc(num_prompt_tokens * params.n)
+        self.metrics.prompt_tokens.inc(max(1, num_prompt_tokens * params.n))
         yield {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
         sent_logprobs = [0] * params.n
         async for output in stream:
@@ -87,7 +87,8 @@ class LLMReplica:
             choice = {"index": completion.index, "text": completion.new_text,
                       "num_tokens": len(completion.new_token_ids), "finish_reason": completion.finish_reason,
                       "stop_reason": completion.stop_reason}
-            self.metrics.generation_tokens.inc(len(completion.new_token_ids))
+            if completion.new_token_ids:
+                self.metrics.generation_tokens.inc(len(completion.new_token_ids))
             if completion.logprobs is not None:
                 new = completion.logprobs[sent_logprobs[completion.index]:]
                 sent_logprobs[completion.index] = len(completion.logprobs)

@@ -6,8 +6,6 @@ died or were added by autoscaling), gets each replica's ``record_routing_stats``
 Serve's own backpressure and fallback when a replica is at ``max_ongoing_requests``. Counting
 our own in-flight requests per replica (``on_request_routed``/``on_request_completed``) keeps
 decisions current between reports.
-
-The latest report of every replica is also kept in ``LATEST_STATS`` for the router's ``/stats``.
 """
 
 from __future__ import annotations
@@ -20,23 +18,10 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats
 
-LATEST_STATS: dict[str, dict[str, Any]] = {}  # replica id -> its latest routing stats, in this process
-
-
 class LLMRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "least_loaded", load_cap: float = 1.5, **_: Any) -> None:
         self.policy = RoutingPolicy(policy, load_cap)
         self.in_flight: dict[str, int] = defaultdict(int)
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        live = {r.replica_id.unique_id for r in replicas}
-        for replica in replicas:
-            if replica.routing_stats:
-                LATEST_STATS[replica.replica_id.unique_id] = dict(replica.routing_stats)
-        for replica_id in list(LATEST_STATS):
-            if replica_id not in live:
-                del LATEST_STATS[replica_id]
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:

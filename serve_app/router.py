@@ -10,8 +10,7 @@ configured default) covers queueing, prefill and decode: the engine ends the req
 passes, and the router cancels the replica call if even that does not come back in time.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI must see real types on the ingress methods.
 import asyncio
 import json
 import logging
@@ -30,10 +29,9 @@ from serve_app import responses as R
 from serve_app.admission import AdmissionController
 from serve_app.config import RouterConfig
 from serve_app.errors import (APIError, BadRequestError, ModelNotFoundError, OverloadedError, RequestTimeoutError,
-                              ServiceUnavailableError)
+                              ServerError, ServiceUnavailableError)
 from serve_app.metrics import RouterMetrics
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.request_router import LATEST_STATS
 from serve_app.routing import prefix_key
 
 logger = logging.getLogger("ray.serve")
@@ -48,14 +46,20 @@ class ReplicaLost(Exception):
     """The replica serving a request went away after tokens were sent: the stream cannot be resumed."""
 
 
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
+
+
+# Everything the class uses must be defined above it: serve.ingress captures the class when it is decorated.
 @serve.ingress(api)
 class Router:
     def __init__(self, replicas: DeploymentHandle, config: RouterConfig) -> None:
         self.replicas = replicas.options(stream=True)
+        self.control = replicas  # unary calls: stats, ping
         self.config = config
         self.model_name = config.served_model_name
         self.admission = AdmissionController(config.max_pending_requests)
-        self.metrics = RouterMetrics(self.model_name)
+        self.metrics = RouterMetrics()
         self.created = int(time.time())
 
     # -- routes ------------------------------------------------------------------------------------
@@ -70,10 +74,19 @@ class Router:
 
     @api.get("/stats")
     async def stats(self) -> dict[str, Any]:
-        """Per-replica state as last reported (at most ``request_routing_stats_period_s`` old)."""
-        if not LATEST_STATS:
-            await self._touch_replicas()
-        return {"replicas": sorted(LATEST_STATS.values(), key=lambda s: s["replica_id"]),
+        """Every replica's engine state, asked of each replica now (``handle.broadcast``)."""
+        results: list = []
+        for attempt in range(2):
+            try:
+                results = await asyncio.wait_for(self.control.broadcast("stats").results_async(), timeout=5.0)
+                break
+            except Exception as e:  # the handle has not seen the replicas yet, or one is dying
+                if attempt == 0:
+                    await self._wait_for_replicas()
+                else:
+                    logger.warning("stats broadcast failed: %r", e)
+        replicas = [r for r in results if isinstance(r, dict)]
+        return {"replicas": sorted(replicas, key=lambda s: s["replica_id"]),
                 "router": {"in_flight": self.admission.in_flight, "max_pending_requests": self.admission.max_in_flight,
                            "num_rejected": self.admission.num_rejected}}
 
@@ -116,6 +129,13 @@ class Router:
         except BaseException:
             self.admission.release()
             raise
+
+    async def _wait_for_replicas(self) -> None:
+        """A first call through the handle waits until it knows the replica set."""
+        try:
+            await asyncio.wait_for(self.control.ping.remote(), timeout=5.0)
+        except Exception as e:
+            logger.warning("no replica answered: %r", e)
 
     async def _released(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
         try:
@@ -178,9 +198,13 @@ class Router:
             except asyncio.TimeoutError:
                 gen.cancel()
                 raise RequestTimeoutError("request timed out before it started", code="timeout") from None
-            except BaseException:
+            except asyncio.CancelledError:
                 gen.cancel()
                 raise
+            except Exception as e:
+                gen.cancel()
+                logger.exception("replica failed to start request %s", payload["request_id"])
+                raise ServerError(f"replica failed: {type(e).__name__}") from None
             if "error" in first:
                 raise APIError.from_dict(first["error"])
             return gen, first
@@ -208,6 +232,11 @@ class Router:
                     continue
                 except asyncio.TimeoutError:
                     raise RequestTimeoutError("request timed out", code="timeout") from None
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    logger.exception("replica failed during request %s", payload["request_id"])
+                    raise ServerError(f"replica failed: {type(e).__name__}") from None
                 relayed_tokens = relayed_tokens or any(c["num_tokens"] for c in chunk["choices"])
                 yield chunk
         finally:
@@ -295,18 +324,3 @@ class Router:
         finally:
             await chunks.aclose()
         yield R.sse("[DONE]")
-
-    async def _touch_replicas(self) -> None:
-        """Make sure this process's request router exists and has seen the replicas' reports."""
-        try:
-            await asyncio.wait_for(self.replicas.options(stream=False).ping.remote(), timeout=2.0)
-        except Exception:  # /stats is best effort; an empty list says no report arrived yet
-            return
-        for _ in range(20):
-            if LATEST_STATS:
-                return
-            await asyncio.sleep(0.1)
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
