@@ -183,3 +183,34 @@ def test_shutdown_after_the_step_loop_died_does_not_raise(monkeypatch):
         await aengine.shutdown()
 
     asyncio.run(asyncio.wait_for(body(), TIMEOUT_S))
+
+
+def test_a_slow_consumer_gets_merged_outputs_that_lose_nothing():
+    """One message per read, not per token: steps pile up while the consumer sleeps and arrive merged."""
+    prompt = random_prompts(1, 8, 8, seed=2)[0]
+    [want] = generate_ids(make_engine(), [prompt], greedy(40))
+
+    async def body(aengine):
+        outs = []
+        async for out in aengine.generate(prompt, greedy(40)):
+            outs.append(out)
+            await asyncio.sleep(0.05)  # far slower than a demo-tiny step
+        return outs
+
+    outs = run(body)
+    assert len(outs) < 40, "steps that arrived while the consumer slept must be merged"
+    assert [t for o in outs for t in o.outputs[0].new_token_ids] == want
+    assert "".join(o.outputs[0].new_text for o in outs) == outs[-1].outputs[0].text
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == want
+
+
+def test_submit_validates_at_once_and_returns_the_prompt_ids():
+    async def body(aengine):
+        with pytest.raises(ValueError, match="max_model_len"):
+            aengine.submit(list(range(7, 7 + 64)), greedy(2))  # longer than max_model_len: raised by submit itself
+        stream = aengine.submit([10, 11, 12], greedy(3))
+        assert stream.prompt_token_ids == [10, 11, 12]
+        return [out async for out in stream]
+
+    outs = run(body, max_model_len=64)
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
