@@ -36,6 +36,16 @@ def p50(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+async def run_all(one, batch: list, concurrent: bool) -> tuple[list, float]:
+    """``one(item)`` for every item, all at once or one after another; returns (results, wall seconds)."""
+    start = time.perf_counter()
+    if concurrent:
+        results = await asyncio.gather(*(one(item) for item in batch))
+    else:
+        results = [await one(item) for item in batch]
+    return list(results), time.perf_counter() - start
+
+
 # -- the engine directly ------------------------------------------------------------------------------
 async def engine_ttfts(engine, batch: list[list[int]], max_tokens: int, concurrent: bool) -> tuple[list[float], float]:
     from engine import SamplingParams
@@ -51,12 +61,7 @@ async def engine_ttfts(engine, batch: list[list[int]], max_tokens: int, concurre
             tokens = len(out.outputs[0].token_ids)
         return ttft, tokens
 
-    start = time.perf_counter()
-    if concurrent:
-        results = await asyncio.gather(*(one(p) for p in batch))
-    else:
-        results = [await one(p) for p in batch]
-    wall = time.perf_counter() - start
+    results, wall = await run_all(one, batch, concurrent)
     return [t for t, _ in results], sum(n for _, n in results) / wall
 
 
@@ -77,12 +82,7 @@ async def http_ttfts(batch: list[list[int]], max_tokens: int, concurrent: bool) 
         async def one(prompt):
             return await stream_completion(client, BASE_URL, "demo-tiny", prompt, max_tokens, ignore_eos=True,
                                            temperature=0)
-        start = time.perf_counter()
-        if concurrent:
-            results = await asyncio.gather(*(one(p) for p in batch))
-        else:
-            results = [await one(p) for p in batch]
-        wall = time.perf_counter() - start
+        results, wall = await run_all(one, batch, concurrent)
     errors = sum(not r.ok for r in results)
     return [r.ttft_s for r in results if r.ok], sum(r.num_tokens for r in results) / wall, errors
 
