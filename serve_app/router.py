@@ -123,8 +123,6 @@ class Router:
             return JSONResponse(result)
         except APIError as e:
             self.admission.release()
-            if isinstance(e, RequestTimeoutError):
-                self.metrics.timeouts.inc()
             return _error_response(e)
         except BaseException:
             self.admission.release()
@@ -197,6 +195,7 @@ class Router:
                 continue
             except asyncio.TimeoutError:
                 gen.cancel()
+                self.metrics.timeouts.inc()  # the router's own deadline guard fired, not the engine's
                 raise RequestTimeoutError("request timed out before it started", code="timeout") from None
             except asyncio.CancelledError:
                 gen.cancel()
@@ -231,6 +230,7 @@ class Router:
                     gen, _ = await self._open(payload, deadline, attempt_base=attempt)
                     continue
                 except asyncio.TimeoutError:
+                    self.metrics.timeouts.inc()  # the router's own deadline guard fired, not the engine's
                     raise RequestTimeoutError("request timed out", code="timeout") from None
                 except asyncio.CancelledError:
                     raise
@@ -298,8 +298,7 @@ class Router:
                 for choice in chunk["choices"]:
                     completion_tokens += choice["num_tokens"]
                     reason = choice["finish_reason"]
-                    if reason == "timeout":
-                        self.metrics.timeouts.inc()
+                    if reason == "timeout":  # the engine ended it (and counted it)
                         raise RequestTimeoutError("request timed out (queueing, prefill and decode)", code="timeout")
                     if reason == "abort":
                         raise ServiceUnavailableError("request was aborted by the engine")
@@ -318,8 +317,6 @@ class Router:
                 yield R.sse(R.usage_chunk(request_id, model, created, obj, prompt_tokens, completion_tokens))
         except (APIError, ReplicaLost) as e:
             error = e if isinstance(e, APIError) else ServiceUnavailableError(str(e))
-            if isinstance(error, RequestTimeoutError):
-                self.metrics.timeouts.inc()
             yield R.sse(error.body())
         finally:
             await chunks.aclose()
