@@ -4,8 +4,10 @@ Why a RequestRouter rather than picking replicas by hand in the router deploymen
 the same process as the handle that sends the request, sees the live replica set (replicas that
 died or were added by autoscaling), gets each replica's ``record_routing_stats`` report, and keeps
 Serve's own backpressure and fallback when a replica is at ``max_ongoing_requests``. Counting
-our own in-flight requests per replica (``on_request_routed``/``on_request_completed``) keeps
-decisions current between reports.
+our own in-flight requests per replica (``on_send_request``/``on_request_completed``) keeps
+decisions current between reports. (``on_request_routed`` is not the hook for that: Serve calls it
+only on its strict-``max_ongoing_requests`` path, while ``on_send_request`` and
+``on_request_completed`` pair up on every path.)
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
             key = pending_request.args[0].get("prefix_key")
         return [[by_id[load.replica_id]] for load in self.policy.rank(loads, key)]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
         self.in_flight[replica_id.unique_id] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
