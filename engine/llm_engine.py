@@ -43,6 +43,7 @@ class LLMEngine:
         self._sequence_ids = itertools.count()
         self.num_steps = 0
         self.last_batch_size = 0  # rows computed by the latest step
+        self.num_finished_requests = 0
         self.num_generated_tokens = 0
 
     def _resolve_max_model_len(self, cfg) -> int:
@@ -164,6 +165,7 @@ class LLMEngine:
             output = self.output_processor.make_output(children)
             if output.finished:
                 del self._children[parent]
+                self.num_finished_requests += 1
             outputs.append(output)
         return outputs
 
@@ -190,5 +192,6 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "batch_size": self.last_batch_size,
             "num_generated_tokens": self.num_generated_tokens,
+            "num_finished_requests": self.num_finished_requests,
             "time": time.time(),
         }

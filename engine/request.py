@@ -70,7 +70,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             # One generator per request: its samples do not depend on who shares the batch.
-            self.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * index)
+            self.generator = torch.Generator().manual_seed((params.seed + 1_000_003 * index) % 2**64)
         max_new = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_total_tokens = min(len(prompt_token_ids) + max_new, max_model_len)
         self.eos_token_ids = eos_token_ids

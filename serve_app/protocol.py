@@ -33,7 +33,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

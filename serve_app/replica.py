@@ -112,7 +112,8 @@ class LLMReplica:
                 "kv_blocks_used": stats["kv_blocks_used"], "kv_blocks_total": stats["kv_blocks_total"],
                 "kv_blocks_free": stats["kv_blocks_free"], "kv_token_usage": stats["kv_token_usage"],
                 "max_num_seqs": stats["max_num_seqs"], "max_model_len": stats["max_model_len"],
-                "num_preemptions": stats["num_preemptions"], "time": time.time()}
+                "num_preemptions": stats["num_preemptions"], "num_finished_requests": stats["num_finished_requests"],
+                "num_generated_tokens": stats["num_generated_tokens"], "time": time.time()}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve for the request router (and /stats): exact engine state, time-stamped."""

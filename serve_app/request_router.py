@@ -3,11 +3,13 @@
 Why a RequestRouter rather than picking replicas by hand in the router deployment: it runs in
 the same process as the handle that sends the request, sees the live replica set (replicas that
 died or were added by autoscaling), gets each replica's ``record_routing_stats`` report, and keeps
-Serve's own backpressure and fallback when a replica is at ``max_ongoing_requests``. Counting
-our own in-flight requests per replica (``on_send_request``/``on_request_completed``) keeps
-decisions current between reports. (``on_request_routed`` is not the hook for that: Serve calls it
-only on its strict-``max_ongoing_requests`` path, while ``on_send_request`` and
-``on_request_completed`` pair up on every path.)
+Serve's own backpressure and fallback when a replica is at ``max_ongoing_requests``.
+
+Our own in-flight count per replica keeps decisions current between reports. A request counts
+against the replica we ranked first *at decision time*: Serve makes all the decisions of a burst
+before it sends any of them, so counting at send time (``on_send_request``) would let the whole
+burst pick the same replica. If Serve ends up routing it elsewhere (``on_request_routed``) the
+count moves; ``on_request_completed`` releases it by request id.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "least_loaded", load_cap: float = 1.5, **_: Any) -> None:
         self.policy = RoutingPolicy(policy, load_cap)
         self.in_flight: dict[str, int] = defaultdict(int)
+        self._counted_on: dict[str, str] = {}  # internal request id -> replica its in-flight count is on
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
@@ -35,12 +38,24 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
         key = None
         if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], dict):
             key = pending_request.args[0].get("prefix_key")
-        return [[by_id[load.replica_id]] for load in self.policy.rank(loads, key)]
+        ranked = self.policy.rank(loads, key)
+        if pending_request is not None and ranked:
+            self._count(pending_request.metadata.internal_request_id, ranked[0].replica_id)
+        return [[by_id[load.replica_id]] for load in ranked]
 
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        super().on_send_request(replica_id)
-        self.in_flight[replica_id.unique_id] += 1
+    def _count(self, request_id: str, replica_id: str) -> None:
+        previous = self._counted_on.get(request_id)
+        if previous == replica_id:
+            return
+        if previous is not None:
+            self.in_flight[previous] = max(0, self.in_flight[previous] - 1)
+        self._counted_on[request_id] = replica_id
+        self.in_flight[replica_id] += 1
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._count(pending_request.metadata.internal_request_id, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self.in_flight[replica_id.unique_id] > 0:
-            self.in_flight[replica_id.unique_id] -= 1
+        counted_on = self._counted_on.pop(internal_request_id, None)  # broadcasts and pings were never counted
+        if counted_on is not None:
+            self.in_flight[counted_on] = max(0, self.in_flight[counted_on] - 1)

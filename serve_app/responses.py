@@ -1,6 +1,6 @@
 """OpenAI response bodies and SSE chunks, built as plain dicts (cheap on the streaming hot path).
 
-Required-but-null fields (``logprobs``, ``message.refusal``, ``system_fingerprint``...) are always present,
+Required-but-null fields (``logprobs``, ``message.refusal``...) are always present,
 so responses validate against the official OpenAPI description.
 """
 
@@ -61,7 +61,6 @@ def completion_response(request_id: str, model: str, choices: list[ChoiceState],
                         with_logprobs: bool) -> dict[str, Any]:
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "system_fingerprint": None,
         "choices": [{"index": c.index, "text": c.text, "finish_reason": FINISH_REASONS.get(c.finish_reason, "stop"),
                      "logprobs": completion_logprobs(c.logprobs, 0) if with_logprobs else None} for c in choices],
         "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices)),
@@ -72,7 +71,6 @@ def chat_response(request_id: str, model: str, choices: list[ChoiceState], promp
                   with_logprobs: bool) -> dict[str, Any]:
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "system_fingerprint": None,
         "choices": [{"index": c.index,
                      "message": {"role": "assistant", "content": c.text, "refusal": None, "annotations": []},
                      "finish_reason": FINISH_REASONS.get(c.finish_reason, "stop"),
@@ -85,7 +83,6 @@ def completion_chunk(request_id: str, model: str, created: int, choice: dict[str
                      with_logprobs: bool) -> dict[str, Any]:
     return {
         "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "system_fingerprint": None,
         "choices": [{"index": choice["index"], "text": choice["text"],
                      "finish_reason": FINISH_REASONS.get(choice["finish_reason"]) if choice["finish_reason"] else None,
                      "logprobs": completion_logprobs(choice.get("logprobs") or [], text_offset)
@@ -97,7 +94,6 @@ def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dic
                finish_reason: str | None, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
     return {
         "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-        "system_fingerprint": None,
         "choices": [{"index": index, "delta": delta,
                      "finish_reason": FINISH_REASONS.get(finish_reason) if finish_reason else None,
                      "logprobs": chat_logprobs(logprobs) if logprobs is not None else None}],
@@ -106,7 +102,7 @@ def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dic
 
 def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
                 completion_tokens: int) -> dict[str, Any]:
-    return {"id": request_id, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+    return {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 

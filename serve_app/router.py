@@ -19,11 +19,13 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import responses as R
 from serve_app.admission import AdmissionController
@@ -48,6 +50,19 @@ class ReplicaLost(Exception):
 
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and wrong methods get OpenAI's error body too, not FastAPI's ``{"detail": ...}``."""
+    error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = {"error": {"message": str(exc.detail), "type": error_type, "param": None, "code": None}}
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return _error_response(BadRequestError(str(exc.errors()[:3])))
 
 
 # Everything the class uses must be defined above it: serve.ingress captures the class when it is decorated.
@@ -146,7 +161,7 @@ class Router:
         raw = await http.body()
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise BadRequestError(f"request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise BadRequestError("request body must be a JSON object")
@@ -244,7 +259,16 @@ class Router:
 
     async def _full_response(self, payloads: list[dict[str, Any]], body, kind: str, deadline: float) -> dict:
         n = body.n
-        results = await asyncio.gather(*(self._collect(p, n, deadline) for p in payloads))
+        tasks = [asyncio.ensure_future(self._collect(p, n, deadline)) for p in payloads]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # one prompt failed (or we were cancelled): stop the others, which aborts them in the engine
+            for task in tasks:
+                task.cancel()
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        results = [task.result() for task in tasks]
         choices: list[R.ChoiceState] = []
         prompt_tokens = 0
         for i, (states, tokens) in enumerate(results):
