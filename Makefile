@@ -27,11 +27,7 @@ CONFIG ?= configs/demo.yaml
 
 # Ray with the dashboard on 127.0.0.1:8265 and metrics on :8080, then the app; Ctrl-C stops both.
 run: install
-	$(VENV)/bin/ray stop --force >/dev/null 2>&1 || true
-	$(VENV)/bin/ray start --head --disable-usage-stats --include-dashboard=true --dashboard-host 127.0.0.1 \
-		--dashboard-port 8265 --metrics-export-port 8080
-	trap '$(VENV)/bin/ray stop --force >/dev/null 2>&1' EXIT; \
-		$(VENV)/bin/serve run --address auto $(CONFIG)
+	./scripts/serve.sh $(CONFIG)
 
 demo: install
 	$(PY) -m engine.demo

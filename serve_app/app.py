@@ -43,7 +43,8 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
         replica_options["num_replicas"] = config.num_replicas
     replica_kwargs: dict[str, Any] = {"model": config.model, "engine_args": config.engine_args,
                                       "served_model_name": config.model_name,
-                                      "max_queued_requests": config.max_queued_requests_per_replica}
+                                      "max_queued_requests": config.max_queued_requests_per_replica,
+                                      "max_messages_per_s": config.max_messages_per_s}
     if engine_cls is not None:
         replica_kwargs["engine_cls"] = engine_cls
     replicas = serve.deployment(LLMReplica).options(**replica_options).bind(**replica_kwargs)

@@ -1,9 +1,14 @@
 """``LLMReplica``: one engine per replica, streaming plain-dict chunks to the router.
 
 The engine class is injected (``engine_cls``) so tests and other engines can stand in. Messages are
-plain dicts, never tensors: ``{"started": ...}`` once the request is validated and queued, then one
-chunk per engine step at most (more tokens per chunk when the router reads slower than the engine
-writes), or a single ``{"error": ...}``. Leaving the stream early aborts the request in the engine,
+plain dicts, never tensors: ``{"started": ...}`` once the request is validated and queued, then
+chunks of new tokens, or a single ``{"error": ...}``.
+
+Messages through Ray Serve cost CPU that the engine shares (a few thousand per second is all two
+cores give), so the replica paces them: the first tokens go at once (time to first token is
+untouched), then a request's tokens are gathered for ``active streams / max_messages_per_s``
+seconds, so the replica as a whole sends about ``max_messages_per_s`` messages whatever the load:
+one token per message with a single stream, several with many. Leaving the stream early aborts the request in the engine,
 which frees its KV blocks in the next step.
 """
 
@@ -31,10 +36,12 @@ STATS_PERIOD_S = 0.5
 class LLMReplica:
     def __init__(self, model: str = "demo-tiny", engine_args: dict[str, Any] | None = None,
                  served_model_name: str | None = None, max_queued_requests: int = 256,
-                 engine_cls: type = AsyncLLMEngine) -> None:
+                 max_messages_per_s: float = 1000.0, engine_cls: type = AsyncLLMEngine) -> None:
         self.model_name = served_model_name or model
         self.engine = engine_cls(model, **(engine_args or {}))
         self.max_queued_requests = max_queued_requests
+        self.max_messages_per_s = max_messages_per_s
+        self.num_streams = 0
         self.metrics = ReplicaMetrics()
         self.engine.step_observer = self.metrics.observe_step
         self.drain = DrainRate()
@@ -67,10 +74,20 @@ class LLMReplica:
         self.metrics.prompt_tokens.inc(max(1, num_prompt_tokens * params.n))
         yield {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
         sent_logprobs = [0] * params.n
-        async for output in stream:
-            yield self._chunk(output, sent_logprobs, params.logprobs or 0)
-            if output.finished:
-                self._on_finished(output)
+        held: dict[str, Any] | None = None
+        last_sent = 0.0  # nothing with tokens sent yet: the first tokens go at once
+        self.num_streams += 1
+        try:
+            async for output in stream:
+                held = _merge_chunks(held, self._chunk(output, sent_logprobs, params.logprobs or 0))
+                now = time.monotonic()
+                if output.finished or now - last_sent >= self.num_streams / self.max_messages_per_s:
+                    yield held
+                    held, last_sent = None, now
+                if output.finished:
+                    self._on_finished(output)
+        finally:
+            self.num_streams -= 1
 
     def _prompt(self, request: dict[str, Any]):
         if request["kind"] == "chat":
@@ -137,6 +154,25 @@ class LLMReplica:
             except Exception:  # metrics must never take the replica down
                 logger.exception("failed to publish engine metrics")
             await asyncio.sleep(STATS_PERIOD_S)
+
+
+def _merge_chunks(held: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """One chunk carrying ``held`` then ``new``: texts joined, token counts added, the latest finish reason."""
+    if held is None:
+        return new
+    by_index = {c["index"]: c for c in held["choices"]}
+    for choice in new["choices"]:
+        old = by_index.get(choice["index"])
+        if old is None:
+            held["choices"].append(choice)
+            continue
+        old["text"] += choice["text"]
+        old["num_tokens"] += choice["num_tokens"]
+        old["finish_reason"], old["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
+        if "logprobs" in choice:
+            old["logprobs"] = old.get("logprobs", []) + choice["logprobs"]
+    held["finished"] = new["finished"]
+    return held
 
 
 def _logprob_entry(entry: dict, token_id: int, num_top: int) -> dict[str, Any]:

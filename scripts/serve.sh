@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Start a local Ray (dashboard on 127.0.0.1:8265, metrics on :8080), serve-run a config, and stop
+# Ray again however this ends: Ctrl-C, a failure, or the app exiting. Used by `make run`.
+set -uo pipefail
+config="${1:-configs/demo.yaml}"
+bin="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin"
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"  # Ray >= 2.59 turns token auth on for local clusters
+
+cleanup() {
+  trap - INT TERM EXIT
+  echo "stopping Ray ..."
+  "$bin/ray" stop --force >/dev/null 2>&1
+}
+trap cleanup INT TERM EXIT
+
+"$bin/ray" stop --force >/dev/null 2>&1
+"$bin/ray" start --head --disable-usage-stats --include-dashboard=true --dashboard-host 127.0.0.1 \
+  --dashboard-port 8265 --metrics-export-port 8080 || exit 1
+echo "dashboard: http://127.0.0.1:8265   metrics: http://127.0.0.1:8080/metrics   API: http://127.0.0.1:8000/v1"
+"$bin/serve" run --address auto "$config"
