@@ -1,15 +1,17 @@
-"""The engine for servers: the step loop runs in a worker thread, off the event loop.
+"""The engine for servers: the step loop runs in its own thread, off the event loop.
 
-Only the loop task touches the engine's queue, between steps: ``generate`` validates on the
-caller's side, then hands prepared requests (and aborts) to the loop task, which applies them
-before the next step. Each request's outputs flow back through its own ``asyncio.Queue``.
+The step thread owns the engine: it applies queued requests and aborts between steps, runs steps
+back to back while there is work, and hands each step's outputs to the event loop in one
+``call_soon_threadsafe``. So a busy event loop (a server relaying thousands of messages) never
+delays the next step, and the engine's state is only ever touched by one thread. ``submit``
+validates on the caller's side; each request's outputs flow back through its own ``asyncio.Queue``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from concurrent.futures import ThreadPoolExecutor
+import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -17,6 +19,8 @@ from engine.llm_engine import LLMEngine, PromptInput
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+IDLE_WAIT_S = 0.5  # how often an idle step thread looks up (it is woken at once by new work)
 
 
 class RequestStream:
@@ -41,15 +45,18 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, model: str = "demo-tiny", *, engine: LLMEngine | None = None, **engine_args: Any) -> None:
         self.engine = engine if engine is not None else LLMEngine(model, **engine_args)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-step")
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
+        self._lock = threading.Lock()  # guards the two pending lists, shared with the step thread
         self._pending_adds: list[list[Request]] = []
         self._pending_aborts: list[str] = []
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
+        self._work = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
+        self._stats = self.engine.stats()  # the step thread's latest snapshot
         self._ids = itertools.count()
-        # Called after every step with (seconds, rows in the batch); the server hangs metrics here.
+        # Called from the step thread after every step with (seconds, rows in the batch): metrics hang here.
         self.step_observer: Callable[[float, int], None] | None = None
 
     @property
@@ -78,15 +85,16 @@ class AsyncLLMEngine:
         Iterate the returned stream to the end, or leave it early to abort the request.
         """
         self.check_health()
-        self._ensure_loop()
+        self._ensure_thread()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         requests = self.engine.make_requests(request_id, prompt, params, priority)  # raises ValueError
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending_adds.append(requests)
-        self._wakeup.set()
+        with self._lock:
+            self._pending_adds.append(requests)
+        self._work.set()
         return RequestStream(request_id, requests[0].prompt_token_ids, self._stream(request_id, queue))
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -108,78 +116,91 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                self._pending_aborts.append(request_id)
-                if self._wakeup is not None:
-                    self._wakeup.set()
+                self._abort_soon(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._pending_aborts.append(request_id)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._abort_soon(request_id)
+
+    def _abort_soon(self, request_id: str) -> None:
+        with self._lock:
+            self._pending_aborts.append(request_id)
+        self._work.set()
 
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine step loop died: {self._dead!r}")
-        if self._loop_task is not None and self._loop_task.done():
+        if self._thread is not None and not self._thread.is_alive() and not self._stopping:
             raise EngineDeadError("engine step loop has stopped")
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        """The engine's state after its latest step (or after it last applied new work while idle)."""
+        return dict(self._stats)
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass  # a loop that died already reported it to its requests and to check_health
-        self._executor.shutdown(wait=True)
+        self._stopping = True
+        self._work.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
 
-    # -- the loop task ------------------------------------------------------------------------------
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None:
-            self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+    # -- the step thread ---------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="inflight-step", daemon=True)
+            self._thread.start()
 
     def _apply_pending(self) -> None:
-        adds, self._pending_adds = self._pending_adds, []
+        with self._lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        refused = []
         for requests in adds:
-            parent = requests[0].parent_id
-            if parent not in self._queues:
-                continue  # cancelled before it was queued
             try:
                 self.engine.enqueue(requests)
             except ValueError as e:
-                self._queues[parent].put_nowait(e)
-        aborts, self._pending_aborts = self._pending_aborts, []
+                refused.append((requests[0].parent_id, e))
         for request_id in aborts:
             self.engine.abort_request(request_id)
+        if refused:
+            self._loop.call_soon_threadsafe(self._deliver_errors, refused)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _run(self) -> None:
         try:
-            while True:
+            while not self._stopping:
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
-                    self._wakeup.clear()
-                    if not self._pending_adds and not self._pending_aborts:
-                        await self._wakeup.wait()
+                    self._stats = self.engine.stats()
+                    self._work.wait(IDLE_WAIT_S)
+                    self._work.clear()
                     continue
                 started = time.perf_counter()
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
                 if self.step_observer is not None:
                     self.step_observer(time.perf_counter() - started, self.engine.last_batch_size)
-                for output in outputs:
-                    queue = self._queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-        except asyncio.CancelledError:
-            raise
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:  # the loop is dead: fail every waiter rather than hang it
             self._dead = e
-            for queue in self._queues.values():
-                queue.put_nowait(e)
-            raise
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    # -- on the event loop -----------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _deliver_errors(self, refused: list[tuple[str, ValueError]]) -> None:
+        for request_id, error in refused:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
 
 def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

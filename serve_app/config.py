@@ -33,7 +33,7 @@ class AppConfig(BaseModel):
     replica_resources: dict[str, float] = Field(default_factory=dict)  # custom resources replicas require
     max_ongoing_requests_per_replica: int = Field(default=512, ge=1)
     max_queued_requests_per_replica: int = Field(default=256, ge=1)  # engine queue bound; beyond it 429
-    max_messages_per_s: float = Field(default=1000.0, gt=0)  # per replica: streams share it, tokens batch up
+    max_messages_per_s: float = Field(default=200.0, gt=0)  # per replica: streams share it, tokens batch up
     max_pending_requests: int = Field(default=256, ge=1)
     default_timeout_s: float = Field(default=120.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)

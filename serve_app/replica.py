@@ -36,7 +36,7 @@ STATS_PERIOD_S = 0.5
 class LLMReplica:
     def __init__(self, model: str = "demo-tiny", engine_args: dict[str, Any] | None = None,
                  served_model_name: str | None = None, max_queued_requests: int = 256,
-                 max_messages_per_s: float = 1000.0, engine_cls: type = AsyncLLMEngine) -> None:
+                 max_messages_per_s: float = 200.0, engine_cls: type = AsyncLLMEngine) -> None:
         self.model_name = served_model_name or model
         self.engine = engine_cls(model, **(engine_args or {}))
         self.max_queued_requests = max_queued_requests
