@@ -21,6 +21,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 IDLE_WAIT_S = 0.5  # how often an idle step thread looks up (it is woken at once by new work)
+STATS_PERIOD_S = 0.05  # how fresh stats() is while steps run (it walks the queues, so not every step)
 
 
 class RequestStream:
@@ -165,6 +166,7 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(self._deliver_errors, refused)
 
     def _run(self) -> None:
+        stats_time = 0.0
         try:
             while not self._stopping:
                 self._apply_pending()
@@ -175,9 +177,11 @@ class AsyncLLMEngine:
                     continue
                 started = time.perf_counter()
                 outputs = self.engine.step()
-                self._stats = self.engine.stats()
+                finished = time.perf_counter()
+                if finished - stats_time >= STATS_PERIOD_S:
+                    self._stats, stats_time = self.engine.stats(), finished
                 if self.step_observer is not None:
-                    self.step_observer(time.perf_counter() - started, self.engine.last_batch_size)
+                    self.step_observer(finished - started, self.engine.last_batch_size)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:  # the loop is dead: fail every waiter rather than hang it

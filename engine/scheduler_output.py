@@ -23,7 +23,6 @@ class SchedulerOutput:
     block_tables: list[list[int]] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
     padding: list[bool] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
