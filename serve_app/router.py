@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -132,7 +133,12 @@ class Router:
             deadline = time.monotonic() + (body.timeout or self.config.default_timeout_s)
             if body.stream:
                 stream = await self._stream_response(payloads, body, kind, deadline)
-                return StreamingResponse(self._released(stream), media_type="text/event-stream")
+                released = [False]
+                body_iter = self._released(stream, released)
+                # If the client leaves before the body starts, the generator never runs its `finally`;
+                # releasing when it is collected makes sure the admission slot still comes back.
+                weakref.finalize(body_iter, self._release_once, released)
+                return StreamingResponse(body_iter, media_type="text/event-stream")
             result = await self._full_response(payloads, body, kind, deadline)
             self.admission.release()
             return JSONResponse(result)
@@ -150,11 +156,16 @@ class Router:
         except Exception as e:
             logger.warning("no replica answered: %r", e)
 
-    async def _released(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _released(self, stream: AsyncIterator[str], released: list[bool]) -> AsyncIterator[str]:
         try:
             async for item in stream:
                 yield item
         finally:
+            self._release_once(released)
+
+    def _release_once(self, released: list[bool]) -> None:
+        if not released[0]:
+            released[0] = True
             self.admission.release()
 
     async def _parse(self, http: Request, schema: type):
