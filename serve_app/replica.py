@@ -1,8 +1,9 @@
 """``LLMReplica``: one engine per replica, streaming plain-dict chunks to the router.
 
 The engine class is injected (``engine_cls``) so tests and other engines can stand in. Messages are
-plain dicts, never tensors: ``{"started": ...}`` once the request is validated and queued, then
-chunks of new tokens, or a single ``{"error": ...}``.
+plain dicts, never tensors: chunks of new tokens, the first of them also saying ``"started"`` with the
+prompt's length, or a single ``{"error": ...}`` when the request is refused. (The first tokens and
+the acknowledgement travel in one message: one Ray round trip less before the first token.)
 
 Messages through Ray Serve cost CPU that the engine shares (a few thousand per second is all two
 cores give), so the replica paces them: the first tokens go at once (time to first token is
@@ -72,7 +73,7 @@ class LLMReplica:
             return
         num_prompt_tokens = len(stream.prompt_token_ids)
         self.metrics.prompt_tokens.inc(max(1, num_prompt_tokens * params.n))
-        yield {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
+        started = {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
         sent_logprobs = [0] * params.n
         held: dict[str, Any] | None = None
         last_sent = 0.0  # nothing with tokens sent yet: the first tokens go at once
@@ -82,6 +83,8 @@ class LLMReplica:
                 held = _merge_chunks(held, self._chunk(output, sent_logprobs, params.logprobs or 0))
                 now = time.monotonic()
                 if output.finished or now - last_sent >= self.num_streams / self.max_messages_per_s:
+                    if started is not None:
+                        held, started = {**started, **held}, None
                     yield held
                     held, last_sent = None, now
                 if output.finished:

@@ -49,6 +49,15 @@ class ReplicaLost(Exception):
     """The replica serving a request went away after tokens were sent: the stream cannot be resumed."""
 
 
+async def _prepend(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
 
@@ -240,7 +249,7 @@ class Router:
         """The replica's messages for one prompt, retrying on another replica while nothing was relayed."""
         gen, first = await self._open(payload, deadline)
         yield first
-        relayed_tokens = False
+        relayed_tokens = any(c["num_tokens"] for c in first["choices"])
         attempt = 0
         try:
             while True:
@@ -253,8 +262,7 @@ class Router:
                     if relayed_tokens or attempt + 1 >= self.config.max_attempts:
                         raise ReplicaLost(f"the replica serving this request was lost: {e!r}") from None
                     attempt += 1
-                    gen, _ = await self._open(payload, deadline, attempt_base=attempt)
-                    continue
+                    gen, chunk = await self._open(payload, deadline, attempt_base=attempt)  # its first tokens too
                 except asyncio.TimeoutError:
                     self.metrics.timeouts.inc()  # the router's own deadline guard fired, not the engine's
                     raise RequestTimeoutError("request timed out", code="timeout") from None
@@ -299,7 +307,6 @@ class Router:
             async for chunk in self._chunks(payload, deadline):
                 if chunk.get("started"):
                     prompt_tokens = chunk["prompt_tokens"]
-                    continue
                 for choice in chunk["choices"]:
                     states[choice["index"]].add(choice)
         except ReplicaLost as e:
@@ -316,7 +323,7 @@ class Router:
             raise BadRequestError("streaming takes one prompt per request", param="prompt")
         chunks = self._chunks(payloads[0], deadline)
         first = await chunks.__anext__()  # errors before any byte is sent become HTTP statuses
-        return self._sse(chunks, first["prompt_tokens"], payloads[0]["request_id"], body, kind)
+        return self._sse(_prepend(first, chunks), first["prompt_tokens"], payloads[0]["request_id"], body, kind)
 
     async def _sse(self, chunks: AsyncIterator[dict[str, Any]], prompt_tokens: int, request_id: str, body,
                    kind: str) -> AsyncIterator[str]:
