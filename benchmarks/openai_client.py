@@ -25,9 +25,6 @@ class StreamResult:
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
 
-    def inter_chunk_gaps_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times_s, self.chunk_times_s[1:])]
-
 
 async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str, prompt: str | list[int],
                             max_tokens: int, **extra) -> StreamResult:

@@ -6,7 +6,6 @@ with numpy; the only per-row Python work is copying block tables.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,8 +17,6 @@ from engine.models.loader import ModelSource, build_model
 from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from engine.scheduler_output import SchedulerOutput
 from kernels import BatchLayout, get_attention_backend
-
-logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
