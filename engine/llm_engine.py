@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from engine.config import EngineConfig
 from engine.models.loader import read_model_source
@@ -15,6 +16,7 @@ from engine.request import Request
 from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import make_scheduler
+from engine.scheduler_output import SchedulerOutput, StepRecord
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
@@ -45,6 +47,8 @@ class LLMEngine:
         self.last_batch_size = 0  # rows computed by the latest step
         self.num_finished_requests = 0
         self.num_generated_tokens = 0
+        # Called at the end of every step with what it did; off (None) unless a benchmark or tracer sets it.
+        self.step_listener: Callable[[StepRecord], None] | None = None
 
     def _resolve_max_model_len(self, cfg) -> int:
         limit = cfg.max_position_embeddings
@@ -138,7 +142,10 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduler = self.scheduler
+        listener = self.step_listener
+        started = time.perf_counter() if listener is not None else 0.0
         batch = scheduler.schedule()
+        record = self._record_step(batch) if listener is not None else None
         self.last_batch_size = batch.num_rows
         touched: dict[str, None] = dict.fromkeys(r.parent_id for r in scheduler.drain_ended_without_token())
         if not batch.is_empty:
@@ -167,7 +174,23 @@ class LLMEngine:
                 del self._children[parent]
                 self.num_finished_requests += 1
             outputs.append(output)
+        if record is not None:
+            listener(dataclasses.replace(record, duration_s=time.perf_counter() - started))
         return outputs
+
+    def _record_step(self, batch: SchedulerOutput) -> StepRecord:
+        """The state this step runs in, taken before the runner and ``update`` change it."""
+        scheduler = self.scheduler
+        new_tokens = sum(n for n, padding in zip(batch.query_lens, batch.padding) if not padding)
+        return StepRecord(
+            step_index=self.num_steps,
+            batch=batch,
+            running_ids=[r.request_id for r in scheduler.running],
+            parent_ids={r.request_id: r.parent_id for r in scheduler.running},
+            num_waiting=len(scheduler.waiting),
+            kv_blocks_used=scheduler.kv.pool.num_used,
+            kv_tokens_used=scheduler.num_tokens_in_cache() + new_tokens,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._children)

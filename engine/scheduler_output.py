@@ -1,4 +1,4 @@
-"""What the scheduler hands the model runner each step: plain lists, no live engine state."""
+"""What the scheduler hands the model runner each step, and what a step observer sees: plain data, no live state."""
 
 from __future__ import annotations
 
@@ -35,3 +35,23 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.request_ids
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as an observer (a benchmark, a tracer) sees it: the batch and the engine state it ran in.
+
+    Taken right after scheduling: ``running_ids`` are the sequences holding a batch slot, in the
+    scheduler's order (static mode: finished members kept as padding included), and
+    ``kv_tokens_used`` counts the KV of this step's new tokens as used. ``parent_ids`` maps each of
+    those sequences to the request id the caller chose. ``duration_s`` is the whole step's wall time.
+    """
+
+    step_index: int
+    batch: SchedulerOutput
+    running_ids: list[str]
+    parent_ids: dict[str, str]
+    num_waiting: int
+    kv_blocks_used: int
+    kv_tokens_used: int
+    duration_s: float = 0.0
