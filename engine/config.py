@@ -8,6 +8,7 @@ from typing import Literal
 BatchingMode = Literal["continuous", "static"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")  # kernels.backend.BACKENDS
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own limit
     batching: BatchingMode = "continuous"
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto: flash-attn, then Triton, on CUDA; the torch kernels elsewhere
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
 
     @classmethod
@@ -67,5 +68,7 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", f"must be an integer >= max_num_seqs ({self.max_num_seqs})")
         if self.batching not in ("continuous", "static"):
             raise bad("batching", "must be 'continuous' or 'static'")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise bad("num_threads", "must be a positive integer or None")

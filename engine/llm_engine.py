@@ -38,6 +38,7 @@ class LLMEngine:
         self._max_model_len_note = ""
         self.max_model_len = self._resolve_max_model_len(source.config)
         self.runner = ModelRunner(self.config, source, self.max_model_len)
+        self.config = self.runner.config  # the attention backend may have raised block_size
         self.max_model_len = self._fit_max_model_len_to_pool(self.runner.num_kv_blocks)
         self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)

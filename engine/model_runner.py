@@ -6,6 +6,7 @@ with numpy; the only per-row Python work is copying block tables.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,8 +52,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, source.config.torch_dtype, self.device)
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.block_size = config.block_size
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        multiple = self.backend.block_size_multiple
+        if config.block_size % multiple:
+            # e.g. flash-attn's paged KV wants blocks of 256 tokens; the engine reads the adjusted config back
+            self.config = config = dataclasses.replace(config, block_size=-(-config.block_size // multiple) * multiple)
+        self.block_size = config.block_size
         self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device)
         self.model_config = source.config
         self.num_kv_blocks = self._count_kv_blocks(max_model_len)

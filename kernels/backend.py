@@ -35,6 +35,7 @@ class AttentionBackend:
     """Base class: ``prepare`` once per step, then ``store_kv`` and ``forward`` in every layer."""
 
     name = "base"
+    block_size_multiple = 1  # the engine rounds its block_size up to a multiple of this
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The layout of one layer's K (or V) cache; each backend picks what its kernels read fastest."""
@@ -59,13 +60,45 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "flash_attn", "triton", "torch")
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``auto``: flash-attn when it is importable on CUDA, then Triton on CUDA, else the torch reference."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "torch"
+    from kernels.flash_attn_backend import flash_attn_available
+
+    if flash_attn_available():
+        return "flash_attn"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` will prefer flash-attn, then Triton, on CUDA (kernels issue); today it is torch."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS} in this build, got {name!r}")
+    name = resolve_backend_name(name, device)
+    if name == "flash_attn":
+        from kernels.flash_attn_backend import FlashAttnPagedAttention, flash_attn_available
+
+        if device.type != "cuda" or not flash_attn_available():
+            raise ValueError("attention_backend 'flash_attn' needs CUDA and the flash-attn package "
+                             "(pip install 'inflight[gpu]')")
+        return FlashAttnPagedAttention()
+    if name == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)") from None
+        from kernels.triton_backend import TritonPagedAttention
+
+        return TritonPagedAttention()
     from kernels.torch_ref import TorchPagedAttention
 
     return TorchPagedAttention()

@@ -5,6 +5,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray >= 2.59 turns token au
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on a CPU; it must be chosen before Triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # One intra-op thread: the test models are tiny, and with 2 threads OpenMP spin-waits make every step
 # ~50x slower as soon as anything else (a benchmark, a second pytest) competes for the 2 cores.
 torch.set_num_threads(1)

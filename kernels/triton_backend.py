@@ -1,0 +1,191 @@
+"""``TritonPagedAttention``: the Triton kernels of ``kernels.triton_kernels`` behind ``AttentionBackend``.
+
+Per step, ``prepare`` splits the rows into decodes (one query token) and prefills (a prompt or a
+chunk of one) and moves their small index tensors to the device once; every layer then launches at
+most four kernels: store, decode (+ merge of its splits) and prefill.
+
+Decode is split-KV (flash-decoding): when there are too few (row, kv head) pairs to fill the GPU,
+each row's context is cut into splits that run in parallel and are merged by their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backend import AttentionBackend, BatchLayout
+
+DECODE_BLOCK_N = 64  # keys per iteration of the decode kernel
+PREFILL_BLOCK_M = 64  # query tokens per prefill program
+PREFILL_BLOCK_N = 64  # keys per iteration of the prefill kernel
+MIN_SPLIT_LEN = 256  # never split a context finer than this many keys
+PROGRAMS_PER_SM = 2  # how many decode programs per multiprocessor make a full GPU
+
+
+def _triton():
+    """Import the kernels; on a machine without CUDA they run in Triton's interpreter (tests, slowly).
+
+    The interpreter is chosen when Triton is first imported, so it cannot be switched on later."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:
+            raise RuntimeError("attention_backend 'triton' without CUDA needs TRITON_INTERPRET=1 set before "
+                               "Triton is imported (it was imported already)")
+        os.environ["TRITON_INTERPRET"] = "1"
+    from kernels import triton_kernels
+
+    return triton_kernels
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]
+    block_size: int
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_rows] int32
+    query_lens: torch.Tensor  # [num_rows] int32
+    query_start: torch.Tensor  # [num_rows] int32, first token of each row in the flat batch
+    num_decode: int
+    decode_rows: torch.Tensor | None  # [num_decode] row ids
+    decode_tokens: torch.Tensor | None  # [num_decode] their tokens in the flat batch
+    decode_seq_lens: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None
+    num_splits: int
+    split_len: int
+    num_prefill: int
+    prefill_rows: torch.Tensor | None  # [num_prefill] row ids
+    max_prefill_len: int
+
+
+class TritonPagedAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_sms: int | None = None, min_split_len: int = MIN_SPLIT_LEN) -> None:
+        """``num_sms`` (default: the GPU's, else 8) and ``min_split_len`` steer how finely decode splits
+        a context; tests lower them to exercise the merge on tiny inputs."""
+        self.kernels = _triton()
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 8
+        self.num_sms = num_sms
+        self.min_split_len = min_split_len
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def prepare(self, layout: BatchLayout) -> TritonAttentionMetadata:
+        device = layout.slot_mapping.device
+        query_lens, seq_lens = layout.query_lens, layout.seq_lens
+        starts, total = [], 0
+        for n in query_lens:
+            starts.append(total)
+            total += n
+        decode = [r for r, n in enumerate(query_lens) if n == 1]
+        prefill = [r for r, n in enumerate(query_lens) if n != 1]
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        block_tables = layout.block_tables.to(torch.int32)
+        meta = TritonAttentionMetadata(
+            slot_mapping=layout.slot_mapping, block_size=layout.block_size, block_tables=block_tables,
+            seq_lens=as_tensor(seq_lens), query_lens=as_tensor(query_lens), query_start=as_tensor(starts),
+            num_decode=len(decode), decode_rows=None, decode_tokens=None, decode_seq_lens=None,
+            decode_block_tables=None, num_splits=1, split_len=1, num_prefill=len(prefill), prefill_rows=None,
+            max_prefill_len=max((query_lens[r] for r in prefill), default=0))
+        if decode:
+            meta.decode_rows = as_tensor(decode)
+            meta.decode_tokens = as_tensor([starts[r] for r in decode])
+            meta.decode_seq_lens = as_tensor([seq_lens[r] for r in decode])
+            meta.decode_block_tables = block_tables.index_select(0, meta.decode_rows.long())
+            meta.num_splits, meta.split_len = self._splits(max(seq_lens[r] for r in decode), len(decode))
+        if prefill:
+            meta.prefill_rows = as_tensor(prefill)
+        return meta
+
+    def _splits(self, max_seq_len: int, num_decode: int) -> tuple[int, int]:
+        """(splits per row, keys per split): enough programs to fill the GPU, none shorter than
+        ``min_split_len`` keys."""
+        wanted = -(-self.num_sms * PROGRAMS_PER_SM // num_decode)
+        splits = max(1, min(wanted, -(-max_seq_len // self.min_split_len)))
+        split_len = -(-max_seq_len // splits)
+        split_len = -(-split_len // DECODE_BLOCK_N) * DECODE_BLOCK_N
+        return -(-max_seq_len // split_len), split_len
+
+    def store_kv(self, key, value, k_cache, v_cache, metadata: TritonAttentionMetadata) -> None:
+        num_tokens, num_kv_heads, head_dim = key.shape
+        _check_last_dim(key, value, k_cache, v_cache)
+        self.kernels.store_kv_kernel[(num_tokens,)](
+            key, value, k_cache, v_cache, metadata.slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            metadata.block_size, num_kv_heads, head_dim,
+            HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim))
+
+    def forward(self, query, key, value, k_cache, v_cache, metadata: TritonAttentionMetadata,
+                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: where to write (tests hand in a poisoned buffer); a fresh tensor by default."""
+        _check_last_dim(query, k_cache)
+        if query.dtype == torch.bfloat16 and query.device.type == "cpu":
+            # numpy has no bfloat16, and the interpreter's tl.dot reads bf16 bits as garbage.
+            raise ValueError("attention_backend 'triton' on the CPU (Triton's interpreter) cannot run bfloat16; "
+                             "use dtype float32 or float16, or the torch backend")
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        if out is None:
+            out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+        qk_scale = scale * self.kernels.LOG2E
+        precision = "ieee" if query.dtype == torch.float32 else None
+        dim_pad = _pow2(head_dim, 16)
+        if metadata.num_decode:
+            self._decode(query, k_cache, v_cache, out, metadata, qk_scale, group, dim_pad, precision)
+        if metadata.num_prefill:
+            grid = (metadata.num_prefill, num_heads, -(-metadata.max_prefill_len // PREFILL_BLOCK_M))
+            self.kernels.prefill_attention_kernel[grid](
+                query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start,
+                metadata.query_lens, metadata.prefill_rows, out,
+                query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
+                qk_scale, metadata.block_size, head_dim,
+                GROUP=group, DIM_PAD=dim_pad, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, PRECISION=precision)
+        return out
+
+    def _decode(self, query, k_cache, v_cache, out, meta: TritonAttentionMetadata, qk_scale, group, dim_pad,
+                precision) -> None:
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = k_cache.shape[1]
+        one_split = meta.num_splits == 1
+        if one_split:  # the kernel writes ``out`` directly; the partial buffers are not touched
+            partial_out = partial_lse = out
+            partial_strides = (0, 0, 0, 0, 0)
+        else:
+            partial_out = torch.empty((meta.num_decode, num_heads, meta.num_splits, head_dim), dtype=torch.float32,
+                                      device=query.device)
+            partial_lse = torch.empty((meta.num_decode, num_heads, meta.num_splits), dtype=torch.float32,
+                                      device=query.device)
+            partial_strides = (partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+                               partial_lse.stride(0), partial_lse.stride(1))
+        self.kernels.decode_attention_kernel[(meta.num_decode, num_kv_heads, meta.num_splits)](
+            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_tokens,
+            out, partial_out, partial_lse,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.decode_block_tables.stride(0),
+            *partial_strides,
+            qk_scale, meta.block_size, head_dim, meta.split_len,
+            GROUP=group, GROUP_PAD=_pow2(group, 16), DIM_PAD=dim_pad, BLOCK_N=DECODE_BLOCK_N,
+            ONE_SPLIT=one_split, PRECISION=precision)
+        if not one_split:
+            self.kernels.merge_splits_kernel[(meta.num_decode, num_heads)](
+                partial_out, partial_lse, meta.decode_seq_lens, meta.decode_tokens, out,
+                *partial_strides, out.stride(0), out.stride(1),
+                head_dim, meta.split_len,
+                SPLITS_PAD=_pow2(meta.num_splits), DIM_PAD=dim_pad)
+
+
+def _check_last_dim(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"Triton attention needs the last (head_dim) dimension contiguous, got strides {t.stride()}")
