@@ -15,6 +15,7 @@ import numpy as np
 
 PERCENTILES = (50, 90, 99)
 KV_UTILISATION_THRESHOLD = 0.6  # the seed's advice: below this, look for fragmentation or a small config
+MIN_WAITING_SHARE = 0.1  # a queue in under this share of the steps is a passing burst, not a state to diagnose
 
 
 # -- distributions ------------------------------------------------------------------------------------
@@ -216,16 +217,17 @@ class KVDiagnosis:
     message: str = ""
 
 
-def diagnose_kv(steps: Sequence[StepSample], limits: EngineLimits,
-                threshold: float = KV_UTILISATION_THRESHOLD, blocks_full_at: float = 0.9) -> KVDiagnosis | None:
-    """None when no request ever waited or token-level utilisation stayed at or above ``threshold`` while they did.
+def diagnose_kv(steps: Sequence[StepSample], limits: EngineLimits, threshold: float = KV_UTILISATION_THRESHOLD,
+                blocks_full_at: float = 0.9, min_waiting_share: float = MIN_WAITING_SHARE) -> KVDiagnosis | None:
+    """None when requests waited in fewer than ``min_waiting_share`` of the steps, or token-level utilisation
+    stayed at or above ``threshold`` while they did.
 
     Each waiting step is put down to the first limit it hit: the blocks (>= ``blocks_full_at`` of them held,
     so low token utilisation means held blocks are not filled: fragmentation), the slots (``max_num_seqs``
     running), the token budget (the step used all of it), or none of them ("other").
     """
     waiting = [s for s in steps if s.num_waiting > 0]
-    if not waiting:
+    if not waiting or len(waiting) < min_waiting_share * len(steps):
         return None
     token_util = float(np.mean([s.kv_tokens_used / limits.kv_tokens_total for s in waiting]))
     if token_util >= threshold:

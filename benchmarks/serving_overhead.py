@@ -21,7 +21,7 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks.openai_client import stream_completion
-from benchmarks.workloads import format_table, write_json
+from benchmarks.report import format_table, write_json
 
 ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
 BASE_URL = "http://127.0.0.1:8000"

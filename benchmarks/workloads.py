@@ -1,25 +1,30 @@
-"""Shared pieces of the benchmarks: the benchmark checkpoint, the seed workload, arrival traces, reporting.
+"""What the benchmarks run: the benchmark checkpoint, the named workloads, and our engine set up for them.
 
 * ``build_checkpoint`` writes a random-weight ``LlamaForCausalLM`` (hidden 256, 4 layers, 8 heads,
   4 KV heads, intermediate 688, vocab 4096, 2048 positions, fp32) with transformers, plus a
   4096-entry word-level tokenizer, into a cache directory (built once, then reused).
-* ``seed_workload`` is the "seed" workload: random prompts of 50-800 tokens asking for 20-200
-  output tokens each, reproducible from a seed.
-* ``poisson_arrivals`` turns a rate into a seeded Poisson arrival trace.
+* ``WORKLOADS`` names the request mixes (``seed`` is the seed document's: prompts of 50-800 tokens
+  asking for 20-200 output tokens each); ``build_workload`` draws one, reproducibly from a seed;
+  ``trace_workload`` turns a JSONL trace (``benchmarks.arrivals``) into requests and arrival times.
 * ``engine_args`` is the KV budget every system gets: 8 x 1,000 = 8,000 tokens.
+* ``add_workload_args`` and ``add_engine_args`` are the flags the benchmarks share; ``workload_from_args``
+  reads them back.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
+
+from benchmarks.arrivals import TraceEntry, load_trace
 
 # -- the model ------------------------------------------------------------------------------------
 MODEL_NAME = "bench-llama-h256-l4-v4096"
@@ -115,19 +120,56 @@ def seed_workload(num_requests: int, seed: int = 0, prompt_len_range: Sequence[i
             for p, o in zip(prompt_lens, output_lens)]
 
 
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Lengths uniform in the inclusive ranges, or outputs taken in turn from ``output_cycle``."""
+
+    description: str
+    prompt_lens: tuple[int, int]
+    output_lens: tuple[int, int] | None
+    output_cycle: tuple[int, ...] = ()
+
+
+WORKLOADS = {
+    "seed": WorkloadSpec("the seed document's mix: prompts 50-800 tokens, outputs 20-200", PROMPT_LEN_RANGE,
+                         OUTPUT_LEN_RANGE),
+    "longtail": WorkloadSpec("the seed's long tail: outputs of 10, 50, 100 and 200 tokens in turn, prompts 50-800",
+                             PROMPT_LEN_RANGE, None, (10, 50, 100, 200)),
+    "uniform": WorkloadSpec("similar lengths: prompts 300-500 tokens, outputs 90-110", (300, 500), (90, 110)),
+    "fixed": WorkloadSpec("equal lengths, static batching's best case: prompts of 400 tokens, outputs of 100",
+                          (400, 400), (100, 100)),
+    "prefill-only": WorkloadSpec("one output token per prompt of 50-800 (the seed's pitfall 3: static can win)",
+                                 PROMPT_LEN_RANGE, (1, 1)),
+}
+
+
+def build_workload(name: str, num_requests: int, seed: int = 0, prompt_lens: Sequence[int] | None = None,
+                   output_lens: Sequence[int] | None = None) -> list[BenchRequest]:
+    """``num_requests`` requests of the named workload; ``prompt_lens``/``output_lens`` (MIN, MAX) override its ranges."""
+    if name not in WORKLOADS:
+        raise ValueError(f"--workload: unknown {name!r}; choose from {', '.join(WORKLOADS)}")
+    spec = WORKLOADS[name]
+    if spec.output_cycle and output_lens is not None:
+        raise ValueError(f"--output-lens: the {name} workload's outputs are fixed at {spec.output_cycle}")
+    if spec.output_cycle:
+        requests = seed_workload(num_requests, seed, prompt_lens or spec.prompt_lens, (1, 1))
+        return [BenchRequest(r.prompt_token_ids, spec.output_cycle[i % len(spec.output_cycle)])
+                for i, r in enumerate(requests)]
+    return seed_workload(num_requests, seed, prompt_lens or spec.prompt_lens, output_lens or spec.output_lens)
+
+
+def trace_workload(entries: Sequence[TraceEntry], seed: int = 0) -> tuple[list[BenchRequest], list[float]]:
+    """Requests with random prompts of the trace's lengths, and their arrival times."""
+    rng = np.random.default_rng(seed)
+    requests = [BenchRequest(rng.integers(FIRST_WORD_ID, VOCAB_SIZE, size=e.prompt_tokens).tolist(), e.output_tokens)
+                for e in entries]
+    return requests, [e.arrival_s for e in entries]
+
+
 def warmup_workload() -> list[BenchRequest]:
     """A couple of tiny requests to run before timing (first-call allocations, lazy imports)."""
     return [BenchRequest(list(range(FIRST_WORD_ID, FIRST_WORD_ID + 24)), 4),
             BenchRequest(list(range(FIRST_WORD_ID + 100, FIRST_WORD_ID + 140)), 6)]
-
-
-def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival offsets in seconds (first at 0) with exponential gaps of mean 1/rate."""
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0, got {rate}")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num_requests)
-    gaps[0] = 0.0
-    return np.cumsum(gaps).tolist()
 
 
 def describe_workload(requests: Sequence[BenchRequest]) -> dict[str, Any]:
@@ -147,14 +189,16 @@ def engine_args(batching: str, max_num_seqs: int = 64, max_num_batched_tokens: i
                 num_threads=threads)
 
 
-def make_engine(model_path: str, batching: str, args):
-    """Our engine in one batching mode, warmed up. Static batching has fixed slots (``--static-batch-size``,
-    8 x 1,000 tokens of KV: the same batch of 8 as transformers' static run); continuous has the same KV."""
+def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None = None):
+    """Our engine in one batching mode, warmed up. Unless ``max_num_seqs`` is given, static batching has
+    ``--static-batch-size`` slots (8 x 1,000 tokens of KV: the same batch of 8 as transformers' static run)
+    and continuous ``--max-num-seqs``; both get the same KV budget."""
     from engine import LLMEngine
 
-    max_num_seqs = args.static_batch_size if batching == "static" else args.max_num_seqs
-    engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, args.max_num_batched_tokens, args.threads,
-                                                 kv_blocks(args)))
+    if max_num_seqs is None:
+        max_num_seqs = args.static_batch_size if batching == "static" else args.max_num_seqs
+    budget = max(args.max_num_batched_tokens, max_num_seqs)  # the engine needs a token per slot at least
+    engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, budget, args.threads, kv_blocks(args)))
     warm_up_engine(engine)
     return engine
 
@@ -183,76 +227,67 @@ def warm_up_engine(engine) -> None:
     drain(engine)
 
 
-# -- reporting ------------------------------------------------------------------------------------
-def summarize(values: Iterable[float], percentiles: Sequence[int] = (50, 90)) -> dict[str, float]:
-    values = np.asarray(list(values), dtype=np.float64)
-    if values.size == 0:
-        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in percentiles}}
-    return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in percentiles}}
+# -- flags ----------------------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], num_left: int = 1) -> str:
-    """A plain fixed-width table: the first ``num_left`` columns left-aligned, the rest right-aligned."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-
-    def line(values):
-        return "  ".join(v.ljust(w) if i < num_left else v.rjust(w)
-                         for i, (v, w) in enumerate(zip(values, widths))).rstrip()
-
-    return "\n".join([line([str(h) for h in headers]), line(["-" * w for w in widths]), *map(line, cells)])
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        if value != value:
-            return "n/a"
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
-    return str(value)
-
-
-def load_average() -> float | None:
-    """The 1-minute load average: other work on the machine skews CPU timings, so the reports show it."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
-    if not path:
-        return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, BenchRequest):
-        return asdict(value)
-    if isinstance(value, (np.integer, np.floating)):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-def add_common_args(parser, num_requests: int = 64) -> None:
-    """Flags both benchmarks share."""
-    parser.add_argument("--num-requests", type=int, default=num_requests, help="requests in the seed workload")
+def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 64, default: str = "seed") -> None:
+    """Which requests: a named workload (with optional length ranges) or a trace file."""
+    names = ", ".join(f"{name} ({spec.description})" for name, spec in WORKLOADS.items())
+    parser.add_argument("--workload", default=default, choices=list(WORKLOADS), metavar="NAME",
+                        help=f"request mix, one of: {names}")
+    parser.add_argument("--trace", metavar="FILE.jsonl",
+                        help="replay a trace of {prompt_tokens, output_tokens, arrival_s} lines instead of --workload")
+    parser.add_argument("--num-requests", type=positive_int, default=num_requests, help="requests in the workload")
+    parser.add_argument("--prompt-lens", type=positive_int, nargs=2, metavar=("MIN", "MAX"),
+                        help="prompt length range in tokens, inclusive (default: the workload's)")
+    parser.add_argument("--output-lens", type=positive_int, nargs=2, metavar=("MIN", "MAX"),
+                        help="output length range in tokens, inclusive (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the workload and arrival trace (the model weights always use seed 0)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
-    parser.add_argument("--prompt-lens", type=int, nargs=2, metavar=("MIN", "MAX"), default=list(PROMPT_LEN_RANGE),
-                        help="prompt length range, inclusive")
-    parser.add_argument("--output-lens", type=int, nargs=2, metavar=("MIN", "MAX"), default=list(OUTPUT_LEN_RANGE),
-                        help="output length range, inclusive")
-    parser.add_argument("--max-num-seqs", type=int, default=64,
-                        help="batch slots (ours; hf-cb's max_requests_per_batch)")
-    parser.add_argument("--kv-budget-tokens", type=int, default=KV_BUDGET_TOKENS,
-                        help="KV cache size in tokens for every engine (the acceptance run uses 8 x 1,000)")
-    parser.add_argument("--static-batch-size", type=int, default=8,
+                        help="seed of the workload and arrival times (the model weights always use seed 0)")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Our engine's size, the same for every system compared."""
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
+                        help="batch slots of continuous batching (ours; hf-cb's max_requests_per_batch)")
+    parser.add_argument("--static-batch-size", type=positive_int, default=8,
                         help="batch slots of static batching (ours and transformers'): 8 slots x 1,000 tokens of KV")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (ours and hf-cb)")
+    parser.add_argument("--kv-budget-tokens", type=positive_int, default=KV_BUDGET_TOKENS,
+                        help=f"KV cache size in tokens for every engine, a multiple of {BLOCK_SIZE}")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                        help="tokens per step (ours and hf-cb)")
     parser.add_argument("--cache-dir", help="where the benchmark checkpoint is built; None: "
                                             "$INFLIGHT_BENCH_CACHE or ~/.cache/inflight/benchmarks")
+
+
+def workload_from_args(parser: argparse.ArgumentParser, args) -> tuple[list[BenchRequest], list[float] | None, str]:
+    """(requests, arrival times or None for all at t=0, a name for reports); bad flags end in ``parser.error``."""
+    for flag in ("prompt_lens", "output_lens"):
+        value = getattr(args, flag)
+        if value is not None and value[0] > value[1]:
+            parser.error(f"--{flag.replace('_', '-')}: MIN ({value[0]}) is larger than MAX ({value[1]})")
+    try:
+        if args.trace:
+            requests, arrivals = trace_workload(load_trace(args.trace), args.seed)
+            name = f"trace {Path(args.trace).name}"
+        else:
+            requests = build_workload(args.workload, args.num_requests, args.seed, args.prompt_lens, args.output_lens)
+            arrivals, name = None, args.workload
+    except ValueError as e:
+        parser.error(str(e))
+    longest = max(r.prompt_len + r.max_tokens for r in requests)
+    if longest > MODEL_SHAPE["max_position_embeddings"]:
+        parser.error(f"--prompt-lens/--output-lens: a request of {longest} tokens (prompt + output) does not fit the "
+                     f"model's {MODEL_SHAPE['max_position_embeddings']} positions")
+    if getattr(args, "kv_budget_tokens", None) is not None:
+        if args.kv_budget_tokens % BLOCK_SIZE:
+            parser.error(f"--kv-budget-tokens: {args.kv_budget_tokens} is not a multiple of the block size {BLOCK_SIZE}")
+        if longest > args.kv_budget_tokens:
+            parser.error(f"--kv-budget-tokens: {args.kv_budget_tokens} tokens cannot hold a request of {longest}")
+    return requests, arrivals, name

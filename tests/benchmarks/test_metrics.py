@@ -108,6 +108,13 @@ def test_no_diagnosis_when_nobody_waits_or_the_cache_is_well_used():
     assert diagnose_kv([step(running=4, waiting=3, blocks=10, tokens=95)], LIMITS) is None
 
 
+def test_a_short_queue_is_a_burst_not_a_diagnosis():
+    burst = [step(decode=4, running=4, waiting=3, blocks=3, tokens=30)]
+    quiet = [step(decode=4, running=4, blocks=3, tokens=30)] * 10
+    assert diagnose_kv(burst + quiet, LIMITS) is None  # 1 waiting step of 11 is under 10%
+    assert diagnose_kv(burst * 2 + quiet, LIMITS).waiting_steps == 2  # 2 of 12 is not
+
+
 def test_held_but_unfilled_blocks_while_requests_wait_is_fragmentation():
     steps = [step(running=2, waiting=5, blocks=10, tokens=40), step(running=2, waiting=4, blocks=9, tokens=45),
              step(running=1, waiting=0, blocks=2, tokens=5)]  # nobody waits here: not part of the diagnosis

@@ -1,0 +1,227 @@
+"""Offline throughput: our engine in static and continuous batching, optionally against transformers.
+
+Every system runs the same requests on the same model in this process, one after another: our
+``LLMEngine`` per ``--batching`` mode, then the ``--baselines`` (transformers' static ``generate`` with
+padding, transformers' continuous batching; see ``benchmarks.hf_baselines``). A named workload has every
+request arrive at t=0; a ``--trace`` replays its arrival times (ours only; on the step clock, see
+``benchmarks.engine_run``). All systems get the same KV budget (default 8 x 1,000 tokens).
+
+Reported per system: useful output tokens/s (each request's own output length over the time from the
+first arrival to the last completion: tokens a static batch computes past a member's end do not count),
+padding and wasted tokens, mean/p50/p90/p99 latency (arrival to completion), time in prefill, decode
+and mixed steps, mean batch occupancy, mean KV utilisation (block- and token-level); then the
+throughput ratios, and a KV diagnosis when token-level utilisation stayed under 60% while requests waited.
+
+    python -m benchmarks.offline --workload seed --batching static,continuous --baselines hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from benchmarks.engine_run import EngineRun, run_engine
+from benchmarks.hf_baselines import BASELINES, BaselineRun, quiet_transformers, run_hf_cb, run_hf_static
+from benchmarks.metrics import TokenWaste, summarize, useful_computed_tokens
+from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
+from benchmarks.workloads import (
+    add_engine_args, add_workload_args, build_checkpoint, describe_workload, make_engine, workload_from_args,
+)
+
+MODES = ("continuous", "static")
+BASELINE_CHOICES = {"none": (), "hf": BASELINES, "hf-static": ("hf-static",), "hf-cb": ("hf-cb",)}
+# (numerator, denominator, target): the numerator's tokens/s must be >= target x the denominator's (engine issue).
+TARGETS = (
+    ("continuous", "static", 2.0),
+    ("continuous", "hf-static", 2.5),
+    ("continuous", "hf-cb", 3.0),
+    ("static", "hf-static", 0.8),
+)
+
+
+@dataclass
+class SystemResult:
+    """One system's run in the numbers every system can report; ``engine_run`` only for ours."""
+
+    system: str
+    span_s: float
+    useful_tokens: int
+    latencies_s: list[float]
+    waste: TokenWaste | None
+    engine_run: EngineRun | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.useful_tokens / self.span_s
+
+    def summary(self) -> dict[str, Any]:
+        if self.engine_run is not None:
+            return {"system": self.system, **self.engine_run.summary()}
+        waste = self.waste
+        return {"system": self.system, "tokens_per_s": self.tokens_per_s, "span_s": self.span_s,
+                "useful_tokens": self.useful_tokens, "latency_s": summarize(self.latencies_s),
+                "computed_tokens": waste.computed if waste else None,
+                "padding_tokens": waste.padding if waste else None,
+                "wasted_tokens": waste.wasted if waste else None, **self.extra}
+
+
+def from_engine_run(system: str, run: EngineRun) -> SystemResult:
+    return SystemResult(system, run.span_s, run.useful_tokens, run.latencies_s, run.waste(), run)
+
+
+def from_baseline_run(run: BaselineRun, requests) -> SystemResult:
+    waste = None
+    if run.computed_tokens is not None:
+        useful = useful_computed_tokens([r.prompt_len for r in requests], [r.max_tokens for r in requests])
+        waste = TokenWaste(run.computed_tokens, useful, run.computed_tokens - useful)  # all of it is padding
+    return SystemResult(run.system, run.span_s, sum(r.max_tokens for r in requests), run.latencies_s, waste,
+                        extra=run.extra)
+
+
+def run_system(system: str, model_path: str, requests, arrivals, args) -> SystemResult:
+    if system in MODES:
+        run = run_engine(make_engine(model_path, system, args), requests, arrivals, desc=system)
+        return from_engine_run(system, run)
+    runner = run_hf_static if system == "hf-static" else run_hf_cb
+    return from_baseline_run(runner(model_path, requests, args), requests)
+
+
+def ratios(results: dict[str, SystemResult]) -> list[dict[str, Any]]:
+    rows = []
+    for num, den, target in TARGETS:
+        if num in results and den in results:
+            value = results[num].tokens_per_s / results[den].tokens_per_s
+            rows.append({"ratio": f"{num}/{den}", "value": value, "target": target, "met": value >= target})
+    return rows
+
+
+# -- report ---------------------------------------------------------------------------------------------
+def print_report(results: dict[str, SystemResult], ratio_rows: list[dict[str, Any]], workload: dict,
+                 name: str, loads: tuple[float | None, float | None], args) -> None:
+    load = ["n/a" if v is None else f"{v:.2f}" for v in loads]
+    print(f"\nworkload {name}: {workload['num_requests']} requests, {workload['prompt_tokens']} prompt tokens, "
+          f"{workload['output_tokens']} useful output tokens; KV budget {args.kv_budget_tokens} tokens; "
+          f"torch threads {torch.get_num_threads()}; load average {load[0]} at start, {load[1]} at end")
+    rows = []
+    for system, r in results.items():
+        lat = summarize(r.latencies_s)
+        steps = r.engine_run.summary()["steps"] if r.engine_run else {}
+        rows.append([system, r.tokens_per_s, r.waste.padding if r.waste else None,
+                     r.waste.wasted if r.waste else None, lat["mean"], lat["p50"], lat["p90"], lat["p99"],
+                     steps.get("prefill_s"), steps.get("decode_s"), steps.get("mixed_s"),
+                     _percent(steps.get("mean_occupancy")), _percent(steps.get("kv_block_utilisation")),
+                     _percent(steps.get("kv_token_utilisation")), r.span_s])
+    print_table("throughput and latency (latency from arrival to completion, seconds)",
+                ["system", "useful tok/s", "padding tok", "wasted tok", "lat mean", "p50", "p90", "p99",
+                 "prefill s", "decode s", "mixed s", "occupancy", "KV blocks", "KV tokens", "span s"], rows)
+    if ratio_rows:
+        print_table("ratios of useful tokens/s (targets from the engine issue)",
+                    ["ratio", "value", "target", "result"],
+                    [[r["ratio"], r["value"], f">= {r['target']}", "met" if r["met"] else "MISSED"]
+                     for r in ratio_rows])
+    for system, r in results.items():
+        diagnosis = r.engine_run.diagnosis() if r.engine_run else None
+        if diagnosis:
+            print(f"KV diagnosis, {system}: {diagnosis.message}")
+
+
+def _percent(value: float | None) -> str | None:
+    return None if value is None else f"{value:.0%}"
+
+
+def plot(results: dict[str, SystemResult], name: str, path: str) -> None:
+    plt = pyplot()
+    fig, (bars, cdf, kv) = plt.subplots(1, 3, figsize=(16, 4.5))
+    systems = list(results)
+    bars.bar(systems, [results[s].tokens_per_s for s in systems], color=[f"C{i}" for i in range(len(systems))])
+    bars.set_ylabel("useful output tokens/s")
+    bars.set_title(f"throughput, workload {name}")
+    for i, s in enumerate(systems):
+        latencies = sorted(results[s].latencies_s)
+        cdf.step(latencies, [(k + 1) / len(latencies) for k in range(len(latencies))], where="post", color=f"C{i}",
+                 label=s)
+        run = results[s].engine_run
+        if run is not None:
+            clock, util = 0.0, []
+            for step in run.steps:
+                clock += step.duration_s
+                util.append((clock, step.kv_tokens_used / run.limits.kv_tokens_total))
+            kv.plot(*zip(*util), color=f"C{i}", label=f"{s}, token-level")
+    cdf.set_xlabel("latency, s")
+    cdf.set_ylabel("share of requests done")
+    cdf.set_title("latency CDF")
+    cdf.legend()
+    kv.set_xlabel("step clock, s")
+    kv.set_ylabel("KV utilisation")
+    kv.set_ylim(0, 1.05)
+    kv.set_title("KV cache: tokens with KV / token slots")
+    kv.legend()
+    save_figure(fig, path)
+
+
+# -- main -----------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, list, list[float] | None, str]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.offline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser)
+    add_engine_args(parser)
+    parser.add_argument("--batching", default="static,continuous",
+                        help=f"our batching modes to run, comma-separated subset of {','.join(MODES)} (or none)")
+    parser.add_argument("--baselines", default="none", choices=list(BASELINE_CHOICES),
+                        help="transformers baselines on the same model: hf = both hf-static and hf-cb")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--plot", metavar="PATH.png", help="also draw throughput, latency CDF and KV utilisation")
+    args = parser.parse_args(argv)
+    modes = [] if args.batching.strip() == "none" else [m.strip() for m in args.batching.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--batching: unknown {unknown}; choose from {','.join(MODES)}")
+    args.systems = [m for m in MODES if m in modes] + list(BASELINE_CHOICES[args.baselines])
+    if not args.systems:
+        parser.error("--batching none with --baselines none leaves nothing to run")
+    requests, arrivals, name = workload_from_args(parser, args)
+    if arrivals is not None and any(arrivals) and args.baselines != "none":
+        parser.error("--baselines: transformers' runs take every request at t=0 but --trace has later arrivals")
+    return args, requests, arrivals, name
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, requests, arrivals, name = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    quiet_transformers()
+    model_path = str(build_checkpoint(args.cache_dir))
+    results: dict[str, SystemResult] = {}
+    load_start = load_average()
+    started = time.perf_counter()
+    for system in args.systems:
+        print(f"running {system} ...", file=sys.stderr, flush=True)
+        results[system] = run_system(system, model_path, requests, arrivals, args)
+        print(f"{system}: {results[system].tokens_per_s:.1f} tok/s over {results[system].span_s:.1f} s",
+              file=sys.stderr, flush=True)
+    ratio_rows = ratios(results)
+    loads = (load_start, load_average())
+    workload = describe_workload(requests)
+    print_report(results, ratio_rows, workload, name, loads, args)
+    if args.plot:
+        plot(results, name, args.plot)
+    write_json(args.json, {
+        "benchmark": "offline", "workload_name": name, "workload": workload,
+        "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "model": model_path, "machine": {**describe_machine(), "load_average_start": loads[0],
+                                         "load_average_end": loads[1]},
+        "elapsed_s": time.perf_counter() - started,
+        "results": {s: r.summary() for s, r in results.items()},
+        "latencies_s": {s: r.latencies_s for s, r in results.items()},
+        "ratios": ratio_rows,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
