@@ -8,6 +8,7 @@ from typing import Literal
 BatchingMode = Literal["continuous", "static"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")  # kernels.backend.BACKENDS
 
 
@@ -32,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     batching: BatchingMode = "continuous"
     attention_backend: str = "auto"  # auto: flash-attn, then Triton, on CUDA; the torch kernels elsewhere
+    load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
 
     @classmethod
@@ -70,5 +72,7 @@ class EngineConfig:
             raise bad("batching", "must be 'continuous' or 'static'")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise bad("num_threads", "must be a positive integer or None")

@@ -58,7 +58,8 @@ class ModelRunner:
             # e.g. flash-attn's paged KV wants blocks of 256 tokens; the engine reads the adjusted config back
             self.config = config = dataclasses.replace(config, block_size=-(-config.block_size // multiple) * multiple)
         self.block_size = config.block_size
-        self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device)
+        self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device,
+                                           config.load_format)
         self.model_config = source.config
         self.num_kv_blocks = self._count_kv_blocks(max_model_len)
         shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads,
@@ -82,9 +83,11 @@ class ModelRunner:
         if config.kv_cache_memory_bytes is not None:
             budget = config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
+            # What a full step needs on top of the weights is measured, not guessed: run one.
+            activations = self._peak_step_bytes(max_model_len)
             free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            budget = int(total * config.gpu_memory_utilization) - used_by_others
+            used = total - free  # the weights, and whatever else lives on the device
+            budget = int(total * config.gpu_memory_utilization) - used - activations
         else:
             # Enough for every slot at full length, capped so a laptop is not swamped.
             wanted = config.max_num_seqs * -(-max_model_len // self.block_size) * self.kv_bytes_per_block
@@ -94,6 +97,31 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_bytes: {budget} bytes is less than one KV block "
                              f"({self.kv_bytes_per_block} bytes)")
         return int(num_blocks)
+
+    @torch.inference_mode()
+    def _peak_step_bytes(self, max_model_len: int) -> int:
+        """Peak device memory of the largest step (one row of ``max_num_batched_tokens`` tokens, logits for
+        ``max_num_seqs`` rows) run against a throwaway cache just big enough for it."""
+        cfg, bs = self.model_config, self.block_size
+        num_tokens = min(self.config.max_num_batched_tokens, max_model_len)
+        num_blocks = -(-num_tokens // bs)
+        shape = self.backend.kv_cache_shape(num_blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        layout = BatchLayout(query_lens=[num_tokens], seq_lens=[num_tokens],
+                             block_tables=torch.arange(num_blocks, device=self.device)[None],
+                             slot_mapping=torch.arange(num_tokens, device=self.device), block_size=bs)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                            torch.arange(num_tokens, device=self.device), caches, self.backend.prepare(layout))
+        logits = self.model.compute_logits(hidden[:min(num_tokens, self.config.max_num_seqs)]).float()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del caches, hidden, logits
+        torch.cuda.empty_cache()
+        return int(peak)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, sampling: SamplingBatch) -> RunnerOutput:

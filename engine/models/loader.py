@@ -66,8 +66,11 @@ def _as_list(value) -> list[int]:
 
 
 def build_model(source: ModelSource, backend: AttentionBackend, max_positions: int,
-                dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Create the module without random init (on the meta device), then fill it with the weights."""
+                dtype: torch.dtype, device: torch.device, load_format: str = "auto") -> CausalLM:
+    """Create the module without random init (on the meta device), then fill it with the weights.
+
+    ``load_format="dummy"`` fills it with seeded random weights instead of reading files (vLLM's name for
+    it): a model of any shape for benchmarks, built in seconds on the device itself."""
     with torch.device("meta"):
         model = CausalLM(source.config, backend, max_positions)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -77,9 +80,24 @@ def build_model(source: ModelSource, backend: AttentionBackend, max_positions: i
         from engine.models import demo_tiny
 
         demo_tiny.init_weights(model)
+    elif load_format == "dummy":
+        init_dummy_weights(model)
     else:
         load_weights(model, Path(source.name))
     return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Norms 1, everything else N(0, 1/fan_in): activations stay O(1) through many layers, as in a real model."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("embed_tokens.weight"):
+            param.normal_(0.0, 1.0, generator=generator)
+        else:
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from tests.engine.helpers import generate_ids, greedy, make_engine, random_prompts  # noqa: E402
 
-ARGS = dict(block_size=16, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=48)
+ARGS = dict(block_size=16, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=48, dtype="float32")
 
 
 def test_triton_backend_greedy_tokens_equal_torch_backend():

@@ -1,0 +1,392 @@
+"""The GPU check: kernel correctness, attention bandwidth, end-to-end decode against the memory roofline,
+transformers in the same run, and the seed workload static vs continuous. Run by ``benchmarks/gpu_check.sh``.
+
+Every section is timed, guarded and reported on its own, so one failure still leaves the others'
+numbers; the summary table is printed last and written to ``--json``. Without CUDA it stops at once.
+
+Model: Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, head_dim 128, MLP 14336,
+vocab 128256) with random bf16 weights (``load_format="dummy"``), so no download is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def cuda_time_ms(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> float:
+    """Median wall time of ``fn`` on the GPU, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def copy_bandwidth(num_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy: bytes read + bytes written per second (the ceiling a read-bound kernel aims at)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * num_bytes / (ms / 1e3)
+
+
+def write_model_dir(root: Path, num_layers: int) -> Path:
+    """config.json for the Llama-3-8B shape and a word-level tokenizer covering its whole vocabulary."""
+    from tokenizers import Tokenizer, models
+
+    path = root / f"llama3-8b-shape-l{num_layers}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**LLAMA3_8B, "num_hidden_layers": num_layers}))
+    vocab = {f"w{i}": i for i in range(LLAMA3_8B["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
+    return path
+
+
+def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, 32000, size=(num, length)).tolist()
+
+
+def free_cuda() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# -- 1. kernel correctness ---------------------------------------------------------------------------------
+def check_kernels(args) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider", "-x"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.kernel_test_timeout)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-2000:], file=sys.stderr)
+    return {"passed": proc.returncode == 0, "summary": tail}
+
+
+# -- 2. decode attention bandwidth ------------------------------------------------------------------------
+def attention_bandwidth(args, copy_bw: float) -> dict[str, Any]:
+    from kernels import BatchLayout
+    from kernels.torch_ref import TorchPagedAttention
+    from kernels.triton_backend import TritonPagedAttention
+
+    batch, context, head_dim, kv_heads, heads, bs = 64, 2048, 128, 8, 32, 16
+    blocks_per_row = context // bs
+    num_blocks = batch * blocks_per_row
+    order = torch.randperm(num_blocks, device="cuda")  # scattered blocks, as in a long-running server
+    tables = order.view(batch, blocks_per_row)
+    result: dict[str, Any] = {"batch": batch, "context": context, "head_dim": head_dim, "kv_heads": kv_heads}
+    for backend in (TritonPagedAttention(), TorchPagedAttention()):
+        shape = backend.kv_cache_shape(num_blocks + 1, bs, kv_heads, head_dim)
+        k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        layout = BatchLayout(query_lens=[1] * batch, seq_lens=[context] * batch, block_tables=tables,
+                             slot_mapping=tables[:, -1] * bs + bs - 1, block_size=bs)
+        meta = backend.prepare(layout)
+        query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        ms = cuda_time_ms(lambda: backend.forward(query, None, None, k_cache, v_cache, meta, head_dim ** -0.5))
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+        result[backend.name] = {"ms": ms, "kv_bytes_per_s": kv_bytes / (ms / 1e3),
+                                "fraction_of_copy": kv_bytes / (ms / 1e3) / copy_bw}
+        del k_cache, v_cache
+        free_cuda()
+    return result
+
+
+# -- 3. end-to-end decode ------------------------------------------------------------------------------
+def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int, args) -> dict[str, Any]:
+    """Tokens/s of pure decode steps with ``batch`` requests running, after all prompts are in."""
+    from engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=max(batch, 8),
+                       max_num_batched_tokens=max(8192, batch), attention_backend=args.attention_backend,
+                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=prompt_len + 512)
+    params = SamplingParams(max_tokens=timed_steps + 8, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, seed=batch)):
+        engine.add_request(f"r{i}", prompt, params)
+    started = set()
+    while len(started) < batch:  # prefill everything (and compile every kernel)
+        started.update(o.request_id for o in engine.step())
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(timed_steps):
+        outputs = engine.step()
+        assert len(outputs) == batch, "a request left the batch during the timed decode"
+    seconds = time.perf_counter() - t0
+    info = {"backend": engine.runner.backend.name, "block_size": engine.config.block_size,
+            "kv_blocks": engine.runner.num_kv_blocks}
+    del engine
+    free_cuda()
+    step_ms = seconds / timed_steps * 1e3
+    return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch * timed_steps / seconds, **info}
+
+
+def roofline(batch: int, context: float, num_layers: int, read_bw: float) -> dict[str, float]:
+    cfg = LLAMA3_8B
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv_dim = cfg["num_key_value_heads"] * cfg["head_dim"]
+    per_layer = h * (h + 2 * kv_dim) + h * h + 3 * h * inter  # qkv, o, gate/up/down
+    weight_bytes = 2 * (num_layers * per_layer + 2 * vocab * h)  # + embedding row reads (tiny) and lm_head
+    kv_bytes = 2 * batch * context * num_layers * 2 * kv_dim
+    step_s = (weight_bytes + kv_bytes) / read_bw
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes, "roofline_step_ms": step_s * 1e3,
+            "roofline_tokens_per_s": batch / step_s}
+
+
+# -- 4. transformers on the same workload ----------------------------------------------------------------
+def same_workload_ours(model_dir: Path, prompts, new_tokens: int, args) -> float:
+    from engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=len(prompts),
+                       max_num_batched_tokens=8192, attention_backend=args.attention_backend,
+                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request("warm", prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    produced = 0
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    seconds = time.perf_counter() - t0
+    assert produced == len(prompts) * new_tokens, produced
+    del engine
+    free_cuda()
+    return len(prompts) * new_tokens / seconds
+
+
+def hf_model(model_dir: Path):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts, new_tokens: int) -> float:
+    import transformers
+
+    ids = torch.tensor(prompts, device="cuda")
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+    model.generate(input_ids=ids[:2, :16], attention_mask=torch.ones_like(ids[:2, :16]),
+                   generation_config=transformers.GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    return len(prompts) * new_tokens / seconds
+
+
+def hf_continuous_batching(model, prompts, new_tokens: int) -> float:
+    """Not under inference_mode: the manager's generation thread updates tensors it made outside it."""
+    import transformers
+
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
+                                           pad_token_id=0)
+    model.generate_batch(inputs=[p[:16] for p in prompts[:2]], generation_config=config)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=config)
+    seconds = time.perf_counter() - t0
+    produced = sum(len(r.generated_tokens) for r in results.values())
+    if produced != len(prompts) * new_tokens:
+        raise RuntimeError(f"transformers' continuous batching produced {produced} of {len(prompts) * new_tokens} tokens")
+    return produced / seconds
+
+
+# -- 5. the seed workload, static vs continuous -------------------------------------------------------------
+def seed_workload_run(model_dir: Path, batching: str, args) -> dict[str, Any]:
+    from benchmarks.workloads import seed_workload
+    from engine import LLMEngine, SamplingParams
+
+    requests = seed_workload(args.seed_requests, seed=0)
+    engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", batching=batching, block_size=16,
+                       num_kv_blocks=500, max_num_seqs=8 if batching == "static" else 64,
+                       max_num_batched_tokens=2048, attention_backend=args.attention_backend, max_model_len=1024)
+    engine.add_request("warm", requests[0].prompt_token_ids, SamplingParams(max_tokens=4, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    t0 = time.perf_counter()
+    for i, r in enumerate(requests):
+        engine.add_request(f"r{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+                                                                       ignore_eos=True))
+    latencies = []
+    while engine.has_unfinished_requests():
+        latencies.extend(time.perf_counter() - t0 for o in engine.step() if o.finished)
+    seconds = time.perf_counter() - t0
+    del engine
+    free_cuda()
+    useful = sum(r.max_tokens for r in requests)
+    return {"tokens_per_s": useful / seconds, "mean_latency_s": float(np.mean(latencies)), "seconds": seconds}
+
+
+# -- driver ------------------------------------------------------------------------------------------
+def run_section(results: dict, name: str, fn: Callable[[], Any]) -> None:
+    t0 = time.perf_counter()
+    print(f"== {name} ...", file=sys.stderr, flush=True)
+    try:
+        results[name] = fn()
+    except Exception as error:  # a section's failure is a result too; the others still run
+        traceback.print_exc()
+        results[name] = {"error": f"{type(error).__name__}: {error}"}
+    results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+    print(f"== {name}: {results[name]} ({results['section_seconds'][name]} s)", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few layers and small batches: a smoke run")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "flash_attn", "triton", "torch"))
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    parser.add_argument("--kernel-test-timeout", type=int, default=240)
+    parser.add_argument("--sections", default="kernels,bandwidth,decode,transformers,seed",
+                        help="comma-separated subset of kernels,bandwidth,decode,transformers,seed")
+    parser.add_argument("--seed-requests", type=int, default=64)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible to torch; this check needs a GPU (see docs/benchmarks.md)",
+              file=sys.stderr)
+        return 2
+    sections = set(args.sections.split(","))
+    num_layers = 4 if args.quick else LLAMA3_8B["num_hidden_layers"]
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": args.quick,
+        "num_layers": num_layers, "date": time.strftime("%Y-%m-%d"),
+    }
+    try:
+        import triton
+        results["triton"] = triton.__version__
+    except ImportError:
+        results["triton"] = None
+    copy_bw = copy_bandwidth()
+    # The ceiling for weights + KV read per step: the copy's rate counting reads and writes, which a
+    # read-only stream matches or beats on HBM; using it makes the roofline a slightly generous target.
+    read_bw = copy_bw
+    results["copy_bytes_per_s"] = copy_bw
+    model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="inflight-gpu-")), num_layers)
+
+    if "kernels" in sections:
+        run_section(results, "kernels", lambda: check_kernels(args))
+    if "bandwidth" in sections:
+        run_section(results, "bandwidth", lambda: attention_bandwidth(args, copy_bw))
+    if "decode" in sections:
+        prompt_len, steps = 512, (8 if args.quick else 32)
+        for batch in ((1, 8) if args.quick else (1, 64, 256)):
+            def decode(batch=batch):
+                measured = engine_decode(model_dir, batch, prompt_len, steps, args)
+                bound = roofline(batch, prompt_len + 3 + steps / 2, num_layers, read_bw)  # mean context while timed
+                return {**measured, **bound, "fraction_of_roofline": measured["tokens_per_s"] / bound["roofline_tokens_per_s"]}
+            run_section(results, f"decode_b{batch}", decode)
+    if "transformers" in sections:
+        num, new = (8, 16) if args.quick else (64, 64)
+        prompts = random_prompts(num, 512, seed=1)
+        run_section(results, "same_workload_ours", lambda: same_workload_ours(model_dir, prompts, new, args))
+
+        def hf():
+            model = hf_model(model_dir)
+            out = {}
+            for name, fn in (("generate", hf_generate), ("continuous_batching", hf_continuous_batching)):
+                try:
+                    out[name] = fn(model, prompts, new)
+                except Exception as error:
+                    traceback.print_exc()
+                    out[name] = f"{type(error).__name__}: {error}"
+            del model
+            free_cuda()
+            return out
+        run_section(results, "transformers", hf)
+    if "seed" in sections:
+        for batching in ("static", "continuous"):
+            run_section(results, f"seed_{batching}", lambda batching=batching: seed_workload_run(model_dir, batching, args))
+
+    print_summary(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    def num(value, scale=1.0, fmt="{:,.1f}"):
+        return fmt.format(value / scale) if isinstance(value, (int, float)) else str(value)
+
+    rows = [("device", results["device"]), ("torch / triton", f"{results['torch']} / {results['triton']}"),
+            ("layers", results["num_layers"]), ("copy bandwidth (GB/s, read+write)", num(results["copy_bytes_per_s"], 1e9))]
+    kernels = results.get("kernels")
+    if kernels:
+        rows.append(("kernel tests", kernels.get("summary", kernels)))
+    bw = results.get("bandwidth", {})
+    for name in ("triton", "torch"):
+        if isinstance(bw.get(name), dict):
+            rows.append((f"decode attention {name} (GB/s of KV, % of copy)",
+                         f"{num(bw[name]['kv_bytes_per_s'], 1e9)} ({bw[name]['fraction_of_copy']:.0%})"))
+    for key in sorted(k for k in results if k.startswith("decode_b")):
+        r = results[key]
+        if "error" in r:
+            rows.append((key, r["error"]))
+        else:
+            rows.append((f"decode batch {r['batch']} ({r['backend']}): tok/s, step ms, % roofline",
+                         f"{num(r['tokens_per_s'])}, {r['step_ms']:.2f}, {r['fraction_of_roofline']:.0%}"))
+    ours, hf = results.get("same_workload_ours"), results.get("transformers")
+    if ours is not None:
+        rows.append(("same workload: ours tok/s", num(ours)))
+    if isinstance(hf, dict):
+        for name, value in hf.items():
+            ratio = f" (ours x{ours / value:.2f})" if isinstance(value, float) and value > 0 and isinstance(ours, float) else ""
+            rows.append((f"same workload: transformers {name} tok/s", num(value) + ratio))
+    static, cont = results.get("seed_static"), results.get("seed_continuous")
+    for name, r in (("static", static), ("continuous", cont)):
+        if isinstance(r, dict) and "error" not in r:
+            rows.append((f"seed {name}: tok/s, mean latency s", f"{num(r['tokens_per_s'])}, {r['mean_latency_s']:.2f}"))
+        elif r is not None:
+            rows.append((f"seed {name}", r))
+    if all(isinstance(r, dict) and "error" not in r for r in (static, cont)) and static and cont:
+        rows.append(("seed continuous/static: throughput x, latency x",
+                     f"{cont['tokens_per_s'] / static['tokens_per_s']:.2f}, "
+                     f"{cont['mean_latency_s'] / static['mean_latency_s']:.2f}"))
+    width = max(len(str(k)) for k, _ in rows)
+    print("\n" + "\n".join(f"{str(k):<{width}}  {v}" for k, v in rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
