@@ -178,7 +178,9 @@ class AsyncLLMEngine:
                 started = time.perf_counter()
                 outputs = self.engine.step()
                 finished = time.perf_counter()
-                if finished - stats_time >= STATS_PERIOD_S:
+                # Fresh at least every period, and before the outputs that leave the engine idle are
+                # delivered: whoever awaited the last result must not read stats from before it.
+                if finished - stats_time >= STATS_PERIOD_S or not self.engine.has_unfinished_requests():
                     self._stats, stats_time = self.engine.stats(), finished
                 if self.step_observer is not None:
                     self.step_observer(finished - started, self.engine.last_batch_size)
