@@ -102,7 +102,10 @@ def attention_bandwidth(args, copy_bw: float) -> dict[str, Any]:
     order = torch.randperm(num_blocks, device="cuda")  # scattered blocks, as in a long-running server
     tables = order.view(batch, blocks_per_row)
     result: dict[str, Any] = {"batch": batch, "context": context, "head_dim": head_dim, "kv_heads": kv_heads}
-    for backend in (TritonPagedAttention(), TorchPagedAttention()):
+    triton_backend = TritonPagedAttention()
+    tuned = triton_backend.tune_decode(heads, kv_heads, head_dim, bs, torch.bfloat16)
+    result["triton_config"] = str(tuned)
+    for backend in (triton_backend, TorchPagedAttention()):
         shape = backend.kv_cache_shape(num_blocks + 1, bs, kv_heads, head_dim)
         k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
@@ -142,7 +145,9 @@ def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int
         assert len(outputs) == batch, "a request left the batch during the timed decode"
     seconds = time.perf_counter() - t0
     info = {"backend": engine.runner.backend.name, "block_size": engine.config.block_size,
-            "kv_blocks": engine.runner.num_kv_blocks}
+            "kv_blocks": engine.runner.num_kv_blocks, "cuda_graphs": engine.runner.graphs is not None,
+            "decode_config": str(getattr(engine.runner.backend, "_decode_config", lambda *a: None)(
+                4, 128, engine.config.block_size, torch.bfloat16))}
     del engine
     free_cuda()
     step_ms = seconds / timed_steps * 1e3
@@ -213,20 +218,39 @@ def hf_generate(model, prompts, new_tokens: int) -> float:
     return len(prompts) * new_tokens / seconds
 
 
-def hf_continuous_batching(model, prompts, new_tokens: int) -> float:
-    """Not under inference_mode: the manager's generation thread updates tensors it made outside it."""
+def hf_continuous_batching(model, prompts, new_tokens: int, deadline_s: float = 90.0) -> float:
+    """Through transformers' continuous-batching manager, with a deadline: if it is too slow to finish,
+    the rate over the requests that did finish is reported (and says so).
+
+    Not under inference_mode: the manager's generation thread updates tensors it made outside it."""
     import transformers
 
     config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
                                            pad_token_id=0)
-    model.generate_batch(inputs=[p[:16] for p in prompts[:2]], generation_config=config)  # warm-up
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=config)
-    seconds = time.perf_counter() - t0
-    produced = sum(len(r.generated_tokens) for r in results.values())
-    if produced != len(prompts) * new_tokens:
-        raise RuntimeError(f"transformers' continuous batching produced {produced} of {len(prompts) * new_tokens} tokens")
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        manager.add_request(prompts[0][:16], request_id="warm", max_new_tokens=2)
+        while (result := manager.get_result(timeout=60)) is not None and result.request_id != "warm":
+            pass
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new_tokens)
+        produced, finished = 0, 0
+        while finished < len(prompts) and time.perf_counter() - t0 < deadline_s:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                produced += len(result.generated_tokens)
+                finished += 1
+        seconds = time.perf_counter() - t0
+    finally:
+        manager.stop(block=False)
+    if finished < len(prompts):
+        print(f"transformers continuous batching: only {finished}/{len(prompts)} requests in {deadline_s} s",
+              file=sys.stderr)
+    if produced == 0:
+        raise RuntimeError("transformers' continuous batching finished no request")
     return produced / seconds
 
 
@@ -259,6 +283,9 @@ def seed_workload_run(model_dir: Path, batching: str, args) -> dict[str, Any]:
 # -- driver ------------------------------------------------------------------------------------------
 def run_section(results: dict, name: str, fn: Callable[[], Any]) -> None:
     t0 = time.perf_counter()
+    if t0 > results["_deadline"]:
+        results[name] = {"error": "skipped: the check's time budget (--budget-s) is spent"}
+        return
     print(f"== {name} ...", file=sys.stderr, flush=True)
     try:
         results[name] = fn()
@@ -275,10 +302,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "flash_attn", "triton", "torch"))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
-    parser.add_argument("--kernel-test-timeout", type=int, default=240)
+    parser.add_argument("--kernel-test-timeout", type=int, default=200)
     parser.add_argument("--sections", default="kernels,bandwidth,decode,transformers,seed",
                         help="comma-separated subset of kernels,bandwidth,decode,transformers,seed")
     parser.add_argument("--seed-requests", type=int, default=64)
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="sections that would start after this many seconds are skipped (the script must "
+                             "finish in 8 minutes)")
     return parser.parse_args(argv)
 
 
@@ -293,6 +323,7 @@ def main(argv=None) -> int:
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": args.quick,
         "num_layers": num_layers, "date": time.strftime("%Y-%m-%d"),
+        "_deadline": time.perf_counter() + args.budget_s,
     }
     try:
         import triton
@@ -318,7 +349,10 @@ def main(argv=None) -> int:
                 bound = roofline(batch, prompt_len + 3 + steps / 2, num_layers, read_bw)  # mean context while timed
                 return {**measured, **bound, "fraction_of_roofline": measured["tokens_per_s"] / bound["roofline_tokens_per_s"]}
             run_section(results, f"decode_b{batch}", decode)
-    if "transformers" in sections:
+    if "seed" in sections:
+        for batching in ("static", "continuous"):
+            run_section(results, f"seed_{batching}", lambda batching=batching: seed_workload_run(model_dir, batching, args))
+    if "transformers" in sections:  # last: the slowest and least predictable
         num, new = (8, 16) if args.quick else (64, 64)
         prompts = random_prompts(num, 512, seed=1)
         run_section(results, "same_workload_ours", lambda: same_workload_ours(model_dir, prompts, new, args))
@@ -336,10 +370,8 @@ def main(argv=None) -> int:
             free_cuda()
             return out
         run_section(results, "transformers", hf)
-    if "seed" in sections:
-        for batching in ("static", "continuous"):
-            run_section(results, f"seed_{batching}", lambda batching=batching: seed_workload_run(model_dir, batching, args))
 
+    results.pop("_deadline")
     print_summary(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))

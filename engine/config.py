@@ -33,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     batching: BatchingMode = "continuous"
     attention_backend: str = "auto"  # auto: flash-attn, then Triton, on CUDA; the torch kernels elsewhere
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (debugging, or to save their memory)
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
 
@@ -72,6 +73,8 @@ class EngineConfig:
             raise bad("batching", "must be 'continuous' or 'static'")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if not isinstance(self.enforce_eager, bool):
+            raise bad("enforce_eager", "must be true or false")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):

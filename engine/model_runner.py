@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import CausalLM
 from engine.models.loader import ModelSource, build_model
 from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
@@ -20,6 +21,18 @@ from engine.scheduler_output import SchedulerOutput
 from kernels import BatchLayout, get_attention_backend
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class StepArrays:
+    """One step's inputs as host arrays, before they go to the device (eagerly, or into graph buffers)."""
+
+    positions: np.ndarray  # [num_tokens]
+    seq_lens: np.ndarray  # [num_rows]
+    tables: np.ndarray  # [num_rows, max_blocks]
+    slots: np.ndarray  # [num_tokens]
+    logits_index: np.ndarray  # [num_sampling_rows]: the token whose hidden state each sampling row reads
+    all_decode: bool
 
 
 @dataclass
@@ -70,6 +83,15 @@ class ModelRunner:
                           for _ in range(source.config.num_layers)]
         self.scratch_slot = self.num_kv_blocks * self.block_size
         self.sampler = Sampler(config.seed)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            cfg = source.config
+            tune = getattr(self.backend, "tune_decode", None)
+            if tune is not None:  # before capture: graphs freeze the launch configuration
+                tune(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.block_size, self.dtype)
+            if not config.enforce_eager and getattr(self.backend, "supports_cuda_graphs", False):
+                self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, config.max_num_seqs,
+                                           max_model_len, self.block_size, self.scratch_slot, self.device)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -125,10 +147,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, sampling: SamplingBatch) -> RunnerOutput:
-        layout, positions, logits_index = self._prepare(batch)
-        metadata = self.backend.prepare(layout)
-        input_ids = torch.tensor(batch.input_token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        arrays = self._prepare(batch)
+        logits_index = torch.from_numpy(arrays.logits_index).to(self.device)
+        input_ids = np.asarray(batch.input_token_ids, dtype=np.int64)
+        if self.graphs is not None and arrays.all_decode and self.graphs.fits(batch.num_rows):
+            hidden = self.graphs.run(input_ids, arrays.positions, arrays.slots, arrays.tables, arrays.seq_lens)
+        else:
+            to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+            layout = BatchLayout(query_lens=batch.query_lens, seq_lens=arrays.seq_lens.tolist(),
+                                 block_tables=to(arrays.tables), slot_mapping=to(arrays.slots),
+                                 block_size=self.block_size)
+            hidden = self.model(to(input_ids), to(arrays.positions), self.kv_caches, self.backend.prepare(layout))
         sampled: list[int | None] = [None] * batch.num_rows
         logprobs: list[TokenLogprobs | None] = [None] * batch.num_rows
         sample_rows = [i for i, s in enumerate(batch.sample) if s]
@@ -140,7 +169,7 @@ class ModelRunner:
                 logprobs[row] = lp
         return RunnerOutput(sampled, logprobs)
 
-    def _prepare(self, batch: SchedulerOutput) -> tuple[BatchLayout, torch.Tensor, torch.Tensor]:
+    def _prepare(self, batch: SchedulerOutput) -> StepArrays:
         bs = self.block_size
         query_lens = np.asarray(batch.query_lens, dtype=np.int64)
         starts = np.asarray(batch.start_positions, dtype=np.int64)
@@ -159,7 +188,4 @@ class ModelRunner:
             slots[np.asarray(batch.padding)[row_of_token]] = self.scratch_slot
 
         logits_index = (token_ends - 1)[np.asarray(batch.sample)]
-        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        layout = BatchLayout(query_lens=batch.query_lens, seq_lens=seq_lens.tolist(), block_tables=to(tables),
-                             slot_mapping=to(slots), block_size=bs)
-        return layout, to(positions), to(logits_index)
+        return StepArrays(positions, seq_lens, tables, slots, logits_index, all_decode=bool((query_lens == 1).all()))

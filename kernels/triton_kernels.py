@@ -51,18 +51,20 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, s
                             stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_cb, stride_ch, stride_cs, stride_bt,
                             stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
-                            qk_scale, block_size, head_dim, split_len,
+                            qk_scale, block_size, head_dim, split_len_ptr,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (decode rows, kv heads, splits). A program attends the GROUP query heads that share one kv
     head (so each K/V element is read once for all of them) to one split of the row's context.
 
     With ONE_SPLIT it writes the normalised output; otherwise the split's normalised partial output
-    and its log-sum-exp, which ``merge_splits_kernel`` combines."""
+    and its log-sum-exp, which ``merge_splits_kernel`` combines. ``split_len`` is read from the device,
+    so a captured CUDA graph replays correctly whatever the batch's context lengths."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + row)
+    split_len = tl.load(split_len_ptr)
     start = split * split_len
     if start < seq_len:
         end = tl.minimum(seq_len, start + split_len)
@@ -109,13 +111,13 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, s
 @triton.jit
 def merge_splits_kernel(partial_out_ptr, partial_lse_ptr, seq_lens_ptr, token_index_ptr, out_ptr,
                         stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_ot, stride_oh,
-                        head_dim, split_len,
+                        head_dim, split_len_ptr,
                         SPLITS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
     """Grid (decode rows, query heads): weight each split's output by exp2(its lse - the max lse)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
-    num_splits = tl.cdiv(seq_len, split_len)  # splits past the row's length wrote nothing
+    num_splits = tl.cdiv(seq_len, tl.load(split_len_ptr))  # splits past the row's length wrote nothing
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, DIM_PAD)
     used = splits < num_splits

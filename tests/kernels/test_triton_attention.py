@@ -45,8 +45,7 @@ def test_split_kv_decode_merges_splits_of_ragged_rows(num_sms):
     backend = TritonPagedAttention(num_sms=num_sms, min_split_len=64)
     rows = [(1, 1), (1, 64), (1, 65), (1, 300), (1, 511), (1, 129)]
     out, ref = run_case(backend, rows, 2, 64, 16, fill="garbage", seed=num_sms, device=DEVICE, out_fill=NAN)
-    meta_splits, _ = backend._splits(511, len(rows))
-    assert (meta_splits > 1) == (num_sms > 1)
+    assert (backend._num_splits(511, len(rows)) > 1) == (num_sms > 1)
     check(out, ref)
 
 
@@ -101,3 +100,29 @@ def test_store_kv_writes_exactly_the_mapped_slots():
 def test_bfloat16_in_the_interpreter_is_refused_not_garbage():
     with pytest.raises(ValueError, match="bfloat16"):
         run_case(TritonPagedAttention(), [(1, 5)], 2, 64, 16, fill=0.0, dtype=torch.bfloat16)
+
+
+def test_static_decode_metadata_replays_any_context_length():
+    """The CUDA-graph path: metadata over fixed buffers, split count fixed for the longest allowed context,
+    split length set per step. It must give what per-step metadata gives, for short and long contexts."""
+    backend = TritonPagedAttention(num_sms=16, min_split_len=64)
+    gen = torch.Generator().manual_seed(1)
+    bs, kvh, hd, rows = 16, 2, 64, 3
+    num_blocks = 40
+    shape = backend.kv_cache_shape(num_blocks + 1, bs, kvh, hd)
+    k_cache = torch.randn(shape, generator=gen).to(DEVICE)
+    v_cache = torch.randn(shape, generator=gen).to(DEVICE)
+    tables = torch.randperm(num_blocks, generator=gen)[:rows * 12].view(rows, 12).to(torch.int32).to(DEVICE)
+    query = torch.randn(rows, NUM_HEADS, hd, generator=gen).to(DEVICE)
+    static_lens = torch.ones(rows, dtype=torch.int32, device=DEVICE)
+    static = backend.static_decode_metadata(tables, static_lens, torch.zeros(rows, dtype=torch.long, device=DEVICE),
+                                            bs, max_model_len=12 * bs)
+    assert static.num_splits > 1
+    for seq_lens in ([1, 5, 17], [12 * bs, 100, 3], [64, 65, 129]):
+        layout = BatchLayout([1] * rows, seq_lens, tables.long(), torch.zeros(rows, dtype=torch.long, device=DEVICE), bs)
+        expected = backend.forward(query, None, None, k_cache, v_cache, backend.prepare(layout), 0.125)
+        static_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        backend.set_decode_context(static, max(seq_lens))
+        got = backend.forward(query, None, None, k_cache, v_cache, static, 0.125,
+                              out=torch.full(query.shape, NAN, device=DEVICE))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -7,6 +7,7 @@ forces chunking), with block tables that are not contiguous, so every kernel pat
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -24,3 +25,17 @@ def test_triton_backend_greedy_tokens_equal_torch_backend():
     triton_ids = generate_ids(engine, prompts, params)
     assert triton_ids == torch_ids
     assert [len(ids) for ids in triton_ids] == [12, 3, 20, 7, 1, 15]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_decode_gives_the_eager_tokens():
+    """Decode steps replayed from captured graphs (batch sizes padded up to a bucket, rows joining and
+    leaving) produce exactly the tokens of eager steps."""
+    prompts = random_prompts(7, 3, 70, seed=5)
+    params = [greedy(max_tokens=n) for n in (30, 3, 17, 9, 1, 25, 12)]
+    args = {**ARGS, "max_num_seqs": 6, "num_kv_blocks": 128}
+    eager = generate_ids(make_engine(attention_backend="triton", enforce_eager=True, **args), prompts, params)
+    engine = make_engine(attention_backend="triton", **args)
+    assert engine.runner.graphs is not None and engine.runner.graphs.sizes == [1, 2, 4, 6]
+    assert generate_ids(engine, prompts, params) == eager
