@@ -123,11 +123,13 @@ def attention_bandwidth(args, copy_bw: float) -> dict[str, Any]:
 
 
 # -- 3. end-to-end decode ------------------------------------------------------------------------------
-def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int, args) -> dict[str, Any]:
+def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int, args,
+                  enforce_eager: bool = False) -> dict[str, Any]:
     """Tokens/s of pure decode steps with ``batch`` requests running, after all prompts are in."""
     from engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=max(batch, 8),
+                       enforce_eager=enforce_eager,
                        max_num_batched_tokens=max(8192, batch), attention_backend=args.attention_backend,
                        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=prompt_len + 512)
     params = SamplingParams(max_tokens=timed_steps + 8, temperature=0.0, ignore_eos=True)
@@ -345,7 +347,13 @@ def main(argv=None) -> int:
         prompt_len, steps = 512, (8 if args.quick else 32)
         for batch in ((1, 8) if args.quick else (1, 64, 256)):
             def decode(batch=batch):
-                measured = engine_decode(model_dir, batch, prompt_len, steps, args)
+                try:
+                    measured = engine_decode(model_dir, batch, prompt_len, steps, args)
+                except Exception as error:  # keep a number: fall back to eager steps, and say why
+                    traceback.print_exc()
+                    free_cuda()
+                    measured = engine_decode(model_dir, batch, prompt_len, steps, args, enforce_eager=True)
+                    measured["graphs_error"] = f"{type(error).__name__}: {error}"
                 bound = roofline(batch, prompt_len + 3 + steps / 2, num_layers, read_bw)  # mean context while timed
                 return {**measured, **bound, "fraction_of_roofline": measured["tokens_per_s"] / bound["roofline_tokens_per_s"]}
             run_section(results, f"decode_b{batch}", decode)
