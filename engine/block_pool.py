@@ -73,7 +73,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
-        self._num_tokens: dict[str, int] = {}  # tokens each table is sized for
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -86,21 +85,21 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table to hold ``num_tokens`` tokens. False (and no change) if blocks run out."""
         table = self.block_tables.get(request_id)
+        missing = -(-num_tokens // self.block_size) - (len(table) if table is not None else 0)
+        if table is not None and missing <= 0:
+            return True  # the common case, a decode inside its last block: checked first, it runs every step
         if table is None:
             table = self.block_tables[request_id] = []
-        missing = self.num_blocks_for(num_tokens) - len(table)
         if missing > self.pool.num_free:
             if not table:
                 del self.block_tables[request_id]
             return False
         if missing > 0:
             table.extend(self.pool.allocate(missing))
-        self._num_tokens[request_id] = max(num_tokens, self._num_tokens.get(request_id, 0))
         return True
 
     def free(self, request_id: str) -> None:
         table = self.block_tables.pop(request_id, None)
-        self._num_tokens.pop(request_id, None)
         if table:
             # Freed in reverse so the tail blocks (least likely to be shared later) are reused first.
             self.pool.free(table[::-1])

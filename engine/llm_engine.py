@@ -150,29 +150,33 @@ class LLMEngine:
         self.last_batch_size = batch.num_rows
         touched: dict[str, None] = dict.fromkeys(r.parent_id for r in scheduler.drain_ended_without_token())
         if not batch.is_empty:
-            rows = [r for r, _ in scheduler.scheduled_requests()]
-            sampled_rows = [r for r, s in zip(rows, batch.sample) if s]
+            # Per row of every step from here: locals, and no per-row dict unless a row asked for logprobs.
+            sampled_rows = [r for r, s in zip(scheduler.scheduled_requests(), batch.sample) if s]
             sampling = SamplingBatch(
                 params=[r.params for r in sampled_rows],
                 generators=[r.generator for r in sampled_rows],
-                num_output_tokens=[r.num_output_tokens for r in sampled_rows],
+                num_output_tokens=[len(r.output_token_ids) for r in sampled_rows],
                 eos_token_ids=self.eos_token_ids,
             )
             result = self.runner.execute(batch, sampling)
-            logprobs_by_id = {rid: lp for rid, lp in zip(batch.request_ids, result.logprobs) if lp is not None}
-            for request in scheduler.update(result.sampled_token_ids):
-                stopped = self.output_processor.process_token(request, logprobs_by_id.get(request.request_id))
-                if stopped and not request.is_finished:
-                    scheduler.finish(request, "stop")
+            logprobs = result.logprobs
+            logprobs_by_id = ({rid: lp for rid, lp in zip(batch.request_ids, logprobs) if lp is not None}
+                              if logprobs.count(None) != len(logprobs) else None)
+            process_token = self.output_processor.process_token
+            advanced = scheduler.update(result.sampled_token_ids)
+            for request in advanced:
+                lp = logprobs_by_id.get(request.request_id) if logprobs_by_id is not None else None
+                if process_token(request, lp) and not request.is_finished:
+                    scheduler.finish(request, "stop")  # a stop string ended it
                 touched[request.parent_id] = None
-                self.num_generated_tokens += 1
+            self.num_generated_tokens += len(advanced)
             self.num_steps += 1
         outputs = []
+        children_of, make_output = self._children, self.output_processor.make_output
         for parent in touched:
-            children = self._children[parent]
-            output = self.output_processor.make_output(children)
+            output = make_output(children_of[parent])
             if output.finished:
-                del self._children[parent]
+                del children_of[parent]
                 self.num_finished_requests += 1
             outputs.append(output)
         if record is not None:

@@ -31,7 +31,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._scheduled: list[tuple[Request, int]] = []  # (request, num tokens) of the last schedule()
+        # The last schedule()'s rows as two parallel lists (no tuple per row per step): requests, tokens of each.
+        self._scheduled_requests: list[Request] = []
+        self._scheduled_counts: list[int] = []
         self._num_with_deadline = 0
         self._ended_without_token: list[Request] = []  # aborted or timed out since the last drain
         self.num_preemptions = 0
@@ -83,8 +85,9 @@ class Scheduler:
         ended, self._ended_without_token = self._ended_without_token, []
         return ended
 
-    def scheduled_requests(self) -> list[tuple[Request, int]]:
-        return self._scheduled
+    def scheduled_requests(self) -> list[Request]:
+        """The requests of the last ``schedule()``, in row order."""
+        return self._scheduled_requests
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,39 +103,47 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._expire_deadlines()
-        self._scheduled = self._pick()
-        return self._build_output(self._scheduled)
+        picked = self._pick()
+        self._scheduled_requests, self._scheduled_counts = list(picked), list(picked.values())
+        return self._build_output(self._scheduled_requests, self._scheduled_counts)
 
-    def _pick(self) -> list[tuple[Request, int]]:
+    def _pick(self) -> dict[Request, int]:
+        """This step's rows, in order: each request and how many of its tokens to compute."""
         raise NotImplementedError
 
-    def _build_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+    def _build_output(self, requests: list[Request], counts: list[int]) -> SchedulerOutput:
+        # Runs for every row of every step: bound appends and locals instead of attribute lookups.
         out = SchedulerOutput()
+        add_id, add_input, extend_input = out.request_ids.append, out.input_token_ids.append, out.input_token_ids.extend
+        add_query_len, add_start, add_sample = out.query_lens.append, out.start_positions.append, out.sample.append
+        add_padding, add_table = out.padding.append, out.block_tables.append
         tables = self.kv.block_tables
         now = None
-        for request, num_new in scheduled:
+        for request, num_new in zip(requests, counts):
             start = request.num_computed_tokens
-            out.request_ids.append(request.request_id)
+            add_id(request.request_id)
             if request.static_padding:
                 # Recompute the last position against the cached context; nothing is kept.
-                out.input_token_ids.append(request.all_token_ids[start - 1])
-                out.query_lens.append(1)
-                out.start_positions.append(start - 1)
-                out.sample.append(False)
-                out.padding.append(True)
+                add_input(request.all_token_ids[start - 1])
+                add_query_len(1)
+                add_start(start - 1)
+                add_sample(False)
+                add_padding(True)
             else:
+                token_ids = request.all_token_ids
                 if num_new == 1:
-                    out.input_token_ids.append(request.all_token_ids[start])
+                    add_input(token_ids[start])
                 else:
-                    out.input_token_ids.extend(request.all_token_ids[start:start + num_new])
-                out.query_lens.append(num_new)
-                out.start_positions.append(start)
-                out.sample.append(start + num_new == request.num_tokens)
-                out.padding.append(False)
-                if request.metrics.first_scheduled_time is None:
+                    extend_input(token_ids[start:start + num_new])
+                add_query_len(num_new)
+                add_start(start)
+                add_sample(start + num_new == len(token_ids))
+                add_padding(False)
+                metrics = request.metrics
+                if metrics.first_scheduled_time is None:
                     now = now or time.time()
-                    request.metrics.first_scheduled_time = now
-            out.block_tables.append(tables[request.request_id])
+                    metrics.first_scheduled_time = now
+            add_table(tables[request.request_id])
         return out
 
     def update(self, sampled_token_ids: list[int | None]) -> list[Request]:
@@ -142,19 +153,21 @@ class Scheduler:
         """
         advanced: list[Request] = []
         finished: list[Request] = []
-        for (request, num_new), token_id in zip(self._scheduled, sampled_token_ids):
-            if request.static_padding or request.is_finished:
+        add_advanced = advanced.append
+        done = RequestStatus.FINISHED
+        for request, num_new, token_id in zip(self._scheduled_requests, self._scheduled_counts, sampled_token_ids):
+            if request.static_padding or request.status is done:
                 continue
             request.num_computed_tokens += num_new
             if token_id is None:
                 continue  # a prefill chunk that is not the last one
             request.append_token(token_id)
-            advanced.append(request)
+            add_advanced(request)
             if request.check_stop_token():
                 finished.append(request)
         for request in finished:
             self.finish(request, request.finish_reason)
-        self._scheduled = []
+        self._scheduled_requests, self._scheduled_counts = [], []
         self._on_step_end()
         return advanced
 
@@ -181,17 +194,27 @@ class ContinuousScheduler(Scheduler):
     Finished requests already left in ``update`` of the step they finished in.
     """
 
-    def _pick(self) -> list[tuple[Request, int]]:
+    def _pick(self) -> dict[Request, int]:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted = False
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        allocate = self.kv.allocate
+        running_status = RequestStatus.RUNNING
+        decoding, prefilling = [], []
+        for request in self.running:
+            left = len(request.all_token_ids) - request.num_computed_tokens
+            if left == 1:
+                decoding.append(request)
+            elif left > 1:
+                prefilling.append(request)
         for request in decoding + prefilling:
-            if request.status is not RequestStatus.RUNNING or budget == 0:
+            if request.status is not running_status or budget == 0:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - computed
+            if num_new > budget:
+                num_new = budget
+            while not allocate(request.request_id, computed + num_new):
                 victim = max(self.running, key=lambda r: r.arrival_order)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -213,7 +236,7 @@ class ContinuousScheduler(Scheduler):
             self.running.append(request)
             scheduled[request] = num_new
             budget -= num_new
-        return list(scheduled.items())
+        return scheduled
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -235,24 +258,24 @@ class StaticScheduler(Scheduler):
     running batch. Blocks are returned when the whole batch ends.
     """
 
-    def _pick(self) -> list[tuple[Request, int]]:
+    def _pick(self) -> dict[Request, int]:
         if not self.running:
             self._form_batch()
         if not self.running:
-            return []
+            return {}
         prefilling = [r for r in self.running if not r.static_padding
                       and r.num_tokens - r.num_computed_tokens > 1]
         if prefilling:
             budget = self.config.max_num_batched_tokens
-            scheduled = []
+            scheduled = {}
             for request in prefilling:
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 if num_new == 0:
                     break
-                scheduled.append((request, num_new))
+                scheduled[request] = num_new
                 budget -= num_new
             return scheduled
-        return [(request, 1) for request in self.running]
+        return dict.fromkeys(self.running, 1)
 
     def _form_batch(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
