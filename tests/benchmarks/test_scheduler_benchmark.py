@@ -1,0 +1,44 @@
+"""benchmarks.scheduler: exclusive part times, and a tiny run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import scheduler
+from benchmarks.scheduler import PartTimer
+
+
+def test_part_timer_takes_inner_parts_out_of_outer_ones():
+    now = [0.0]
+    timer = PartTimer(clock=lambda: now[0])
+
+    def inner():
+        now[0] += 2.0
+
+    def outer():
+        now[0] += 1.0
+        wrapped_inner()
+        wrapped_inner()
+        now[0] += 0.5
+
+    wrapped_inner = timer.wrap("inner", inner)
+    timer.wrap("outer", outer)()
+    # outer ran 5.5 s in all, 4 of them inside inner
+    assert timer.seconds == pytest.approx({"outer": 1.5, "inner": 4.0})
+
+
+def test_a_small_run_reports_us_per_step(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    scheduler.main(["--num-requests", "8", "--steps", "5", "--repeats", "2", "--decoded-tokens", "3",
+                    "--prompt-len", "8", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["us_per_step"] > 0 and len(result["us_per_step_blocks"]) == 2
+    assert set(result["breakdown_us_per_step"]) == set(scheduler.PARTS)
+    assert "us_per_step" in capsys.readouterr().out
+
+
+def test_bad_block_size_is_named():
+    with pytest.raises(SystemExit):
+        scheduler.parse_args(["--block-size", "12"])
