@@ -22,13 +22,35 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the step's positions
 
 
+def fused_ops(backend: AttentionBackend):
+    """The backend's fused elementwise kernels (kernels.triton_fused) when it brings them, else None:
+    the PyTorch ops below, which are also their reference."""
+    if not getattr(backend, "fused_elementwise", False):
+        return None
+    from kernels import triton_fused
+
+    return triton_fused
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``, the sum being the next
+        residual stream (the fused kernel writes it into ``residual``'s memory)."""
+        if self.ops is not None:
+            out = self.ops.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Hugging Face's arithmetic for half precision: normalise in float32, cast back, then scale.
@@ -49,6 +71,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
         self.backend = backend
+        ops = fused_ops(backend)
+        self.rope = ops.apply_rope if ops is not None else apply_rope
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: Any) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -60,7 +84,7 @@ class Attention(nn.Module):
             qk = torch.cat((q, k), dim=1)
         else:
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qk, *rope)  # q and k heads rotated in one pass
+        qk = self.rope(qk, *rope)  # q and k heads rotated in one pass
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
         self.backend.store_kv(k, v, k_cache, v_cache, metadata)
@@ -69,28 +93,41 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops=None) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        ops = fused_ops(backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache,
+                metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): each residual add is fused into the
+        norm that follows it; the caller adds the last one."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -120,9 +157,10 @@ class CausalLM(nn.Module):
                 metadata: Any) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = self.rotary.tables(positions)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, kv_cache, metadata)
-        return x
+            x, residual = layer(x, residual, rope, kv_cache, metadata)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()  # [num_rows, vocab]
