@@ -1,0 +1,85 @@
+"""benchmarks.serving against httpx's mock transport: streaming timings, failures by status, concurrency cap."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from benchmarks import serving
+from benchmarks.metrics import SLO
+from benchmarks.serving import LoadRequest, RequestResult, run_load, summarize_load
+
+
+def sse(*events) -> bytes:
+    return b"".join(f"data: {json.dumps(e) if isinstance(e, dict) else e}\n\n".encode() for e in events)
+
+
+class FakeServer:
+    """Streams ``max_tokens`` one-token chunks; prompts starting with 429 / 500 / 999 get that status / an error
+    event. Records the most requests it had in flight at once."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        first = body["prompt"][0]
+        if first in (429, 500):
+            return httpx.Response(first, json={"error": {"message": "no"}})
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        await asyncio.sleep(0.01)
+        self.in_flight -= 1
+        if first == 999:
+            return httpx.Response(200, content=sse({"error": {"message": "engine died"}}, "[DONE]"))
+        chunks = [{"choices": [{"text": "x"}]} for _ in range(body["max_tokens"])]
+        usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+        return httpx.Response(200, content=sse(*chunks, usage, "[DONE]"))
+
+
+def run(requests, arrivals, max_concurrency=None, server=None):
+    return asyncio.run(run_load("http://test", "m", requests, arrivals, max_concurrency, {}, 10.0, "test",
+                                transport=httpx.MockTransport(server or FakeServer())))
+
+
+def test_failures_are_counted_by_status_with_429_apart():
+    requests = [LoadRequest([7, 8], 3), LoadRequest([429], 3), LoadRequest([429], 3), LoadRequest([500], 3),
+                LoadRequest([999], 3)]
+    results, duration = run(requests, [0.0] * 5)
+    summary = summarize_load(results, duration, SLO())
+    assert summary["num_ok"] == 1 and summary["num_429"] == 2
+    assert summary["failures"] == {"429": 2, "500": 1, "error in stream": 1}
+    ok = results[0]
+    assert ok.num_tokens == 3 and len(ok.chunk_times_s) == 3 and 0 < ok.ttft_s <= ok.e2e_s
+    assert summary["goodput_requests_per_s"] == pytest.approx(1 / duration)
+
+
+def test_max_concurrency_caps_requests_in_flight():
+    server = FakeServer()
+    results, _ = run([LoadRequest([7], 2)] * 6, [0.0] * 6, max_concurrency=2, server=server)
+    assert all(r.ok for r in results) and server.max_in_flight == 2
+
+
+def test_a_refused_connection_is_a_failure_without_status():
+    def refuse(request):
+        raise httpx.ConnectError("refused")
+
+    results, _ = run([LoadRequest([7], 2)], [0.0], server=refuse)
+    assert results[0].failure == "no response" and results[0].status is None
+
+
+def test_tpot_needs_two_tokens():
+    assert RequestResult(200, ttft_s=0.1, e2e_s=0.5, num_tokens=5).tpot_s == pytest.approx(0.1)
+    assert RequestResult(200, ttft_s=0.1, e2e_s=0.1, num_tokens=1).tpot_s is None
+
+
+def test_bad_flags_are_named(capsys):
+    for argv, flag in ((["--rates", "0"], "--rates"), (["--vocab-range", "5", "5"], "--vocab-range"),
+                       (["--slo-ttft-ms", "-1"], "--slo-ttft-ms"), (["--output-lens", "9", "3"], "--output-lens")):
+        with pytest.raises(SystemExit):
+            serving.parse_args(argv)
+        assert flag in capsys.readouterr().err
