@@ -1,12 +1,13 @@
 """Runs one step on the device: scheduler output in, sampled token ids out (lists, not tensors).
 
 Owns the model, the paged KV cache tensors and the sampler. Input preparation is vectorised
-with numpy; the only per-row Python work is copying block tables.
+with numpy: no Python loop over rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,10 +180,11 @@ class ModelRunner:
         # position of each token = its row's start + its offset inside the row
         positions = starts[row_of_token] + np.arange(token_ends[-1]) - (token_ends - query_lens)[row_of_token]
 
-        max_blocks = max(len(t) for t in batch.block_tables)
-        tables = np.zeros((batch.num_rows, max_blocks), dtype=np.int64)
-        for i, table in enumerate(batch.block_tables):
-            tables[i, :len(table)] = table
+        # Ragged block tables into one zero-padded array without a Python loop over rows.
+        lengths = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=batch.num_rows)
+        flat = np.fromiter(itertools.chain.from_iterable(batch.block_tables), dtype=np.int64, count=int(lengths.sum()))
+        tables = np.zeros((batch.num_rows, int(lengths.max())), dtype=np.int64)
+        tables[np.arange(tables.shape[1]) < lengths[:, None]] = flat
         slots = tables[row_of_token, positions // bs] * bs + positions % bs
         if any(batch.padding):
             slots[np.asarray(batch.padding)[row_of_token]] = self.scratch_slot
