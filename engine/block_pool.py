@@ -1,61 +1,124 @@
-"""Paged KV memory: a fixed pool of blocks, and the block table of each request.
+"""Paged KV memory: a fixed pool of blocks, the block table of each request, and prefix caching.
 
-Invariants (checked by ``KVCacheManager.check_invariants`` in tests):
-  * used + free = total, and the free list holds no block twice;
+A block is in one of three states, and the KV metrics report all three, because "used" alone
+misleads (cached blocks look used but can be taken back at once):
+  * live: held by at least one request's block table (ref count > 0);
+  * cached: no table holds it, but it still holds the KV of a known, full block of tokens, so a
+    later request with the same prefix can take it over instead of recomputing; evicted least
+    recently used first when a free block is needed;
+  * free: holds nothing anyone can find.
+
+Prefix caching: a full block is identified by the hash of (its parent block's hash, its token ids),
+so equal hashes mean equal prefixes up to and including that block. The token ids are kept next to
+the hash and compared on a hit, so a hash collision cannot hand out the wrong KV.
+
+Invariants (``KVCacheManager.check_invariants``, run by the tests after every path):
+  * live + cached + free = total, and no block is in two of those sets;
   * a block's ref count equals the number of block tables holding it;
-  * a free block has ref count 0 and is in no table;
-  * no block is in two tables unless shared on purpose (ref count > 1 says so).
+  * a cached block is findable by its hash, and only a full, computed block has a hash.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
+
+BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
 
 
 class BlockPool:
-    """Hands out block ids in [0, num_blocks). Ref-counted so blocks can be shared later."""
+    """Hands out block ids in [0, num_blocks), ref-counted so full blocks can be shared."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._cached_idle: OrderedDict[int, None] = OrderedDict()  # ref count 0 but findable; LRU first
         self._ref_counts = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}  # block -> its content hash (full, computed blocks only)
+        self._key_of: dict[int, BlockKey] = {}
+        self._block_of: dict[int, int] = {}  # content hash -> block
+        self.num_shared_refs = 0  # sum over blocks of (ref count - 1) where > 0: tables sharing a block
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out now: free ones, and cached ones no table holds."""
+        return len(self._free) + len(self._cached_idle)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Live blocks: held by some request."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached_idle(self) -> int:
+        return len(self._cached_idle)
 
     def allocate(self, count: int) -> list[int]:
-        assert 0 <= count <= len(self._free), "caller must check num_free first"
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
+        assert 0 <= count <= self.num_free, "caller must check num_free first"
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.popleft()
+            else:  # evict the least recently used cached block: its content is forgotten
+                block, _ = self._cached_idle.popitem(last=False)
+                del self._block_of[self._hash_of.pop(block)]
+                del self._key_of[block]
             self._ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
         for block in blocks:
-            self._ref_counts[block] -= 1
-            assert self._ref_counts[block] >= 0, f"block {block} freed twice"
-            if self._ref_counts[block] == 0:
+            count = self._ref_counts[block] - 1
+            assert count >= 0, f"block {block} freed twice"
+            self._ref_counts[block] = count
+            if count > 0:
+                self.num_shared_refs -= 1
+            elif block in self._hash_of:
+                self._cached_idle[block] = None  # most recently used last
+            else:
                 self._free.append(block)
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
+    # -- prefix caching ---------------------------------------------------------------------------------
+    def lookup(self, block_hash: int, key: BlockKey) -> int | None:
+        block = self._block_of.get(block_hash)
+        if block is None or self._key_of[block] != key:
+            return None
+        return block
+
+    def take(self, block: int) -> None:
+        """Add a reference to a cached block (a prefix hit)."""
+        if self._ref_counts[block] == 0:
+            del self._cached_idle[block]
+        else:
+            self.num_shared_refs += 1
+        self._ref_counts[block] += 1
+
+    def register(self, block: int, block_hash: int, key: BlockKey) -> None:
+        """Make a full, computed block findable. A second block with the same content stays anonymous."""
+        if block_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[block_hash] = block
+            self._hash_of[block] = block_hash
+            self._key_of[block] = key
+
 
 @dataclass(frozen=True)
 class KVCacheStats:
     num_blocks_total: int
-    num_blocks_used: int
-    num_blocks_free: int
+    num_blocks_used: int  # live: held by running requests
+    num_blocks_cached: int  # idle but holding a reusable prefix; reclaimable at once
+    num_blocks_free: int  # what a new request can get now: empty blocks plus the cached ones
     num_tokens_capacity: int
-    num_tokens_used: int  # token slots holding KV of live requests
+    num_tokens_used: int  # token slots holding KV of live requests (a shared block counted once)
+
+    @property
+    def num_blocks_empty(self) -> int:
+        return self.num_blocks_free - self.num_blocks_cached
 
     @property
     def block_usage(self) -> float:
@@ -69,10 +132,12 @@ class KVCacheStats:
 class KVCacheManager:
     """Maps each request to the blocks that hold its KV, growing the table as the request grows."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self._block_hashes: dict[str, list[int]] = {}  # request -> hashes of its leading full blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -99,27 +164,81 @@ class KVCacheManager:
         return True
 
     def free(self, request_id: str) -> None:
+        self._block_hashes.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
-            # Freed in reverse so the tail blocks (least likely to be shared later) are reused first.
+            # Freed in reverse: a prefix's tail blocks become least recently used, so its head (the
+            # part other requests are likelier to share) outlives them in the cache.
             self.pool.free(table[::-1])
 
-    def stats(self, num_tokens_used: int) -> KVCacheStats:
+    # -- prefix caching ------------------------------------------------------------------------------------
+    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Give a request with no blocks yet the cached blocks of its longest cached prefix; returns how
+        many tokens they hold. At least one token is left to compute: its logits are needed, and no
+        shared block is ever written to."""
+        if not self.enable_prefix_caching or request_id in self.block_tables:
+            return 0
+        bs, pool = self.block_size, self.pool
+        hashes, blocks, parent = [], [], None
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            key = (parent, tuple(token_ids[start:start + bs]))
+            block_hash = hash(key)
+            block = pool.lookup(block_hash, key)
+            if block is None:
+                break
+            hashes.append(block_hash)
+            blocks.append(block)
+            parent = block_hash
+        if not blocks:
+            return 0
+        for block in blocks:
+            pool.take(block)
+        self.block_tables[request_id] = blocks
+        self._block_hashes[request_id] = hashes
+        return len(blocks) * bs
+
+    def cache_computed_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register the request's blocks that became full and computed since the last call."""
+        hashes = self._block_hashes.setdefault(request_id, [])
+        bs, table, pool = self.block_size, self.block_tables[request_id], self.pool
+        parent = hashes[-1] if hashes else None
+        for index in range(len(hashes), num_computed // bs):
+            key = (parent, tuple(token_ids[index * bs:(index + 1) * bs]))
+            parent = hash(key)
+            hashes.append(parent)
+            pool.register(table[index], parent, key)
+
+    def num_hashed_blocks(self, request_id: str) -> int:
+        return len(self._block_hashes.get(request_id, ()))
+
+    # -- accounting ----------------------------------------------------------------------------------------
+    def stats(self, num_tokens_logical: int) -> KVCacheStats:
+        """``num_tokens_logical``: the live requests' computed tokens, each counted per request; blocks
+        shared by several requests are full, so each extra reference overcounts a whole block."""
+        pool = self.pool
         return KVCacheStats(
-            num_blocks_total=self.pool.num_blocks,
-            num_blocks_used=self.pool.num_used,
-            num_blocks_free=self.pool.num_free,
-            num_tokens_capacity=self.pool.num_blocks * self.block_size,
-            num_tokens_used=num_tokens_used,
+            num_blocks_total=pool.num_blocks,
+            num_blocks_used=pool.num_used,
+            num_blocks_cached=pool.num_cached_idle,
+            num_blocks_free=pool.num_free,
+            num_tokens_capacity=pool.num_blocks * self.block_size,
+            num_tokens_used=num_tokens_logical - pool.num_shared_refs * self.block_size,
         )
 
     def check_invariants(self) -> None:
         pool = self.pool
-        free = list(pool._free)
+        free, idle = list(pool._free), list(pool._cached_idle)
         assert len(free) == len(set(free)), "a block is in the free list twice"
-        assert pool.num_used + pool.num_free == pool.num_blocks, "used + free != total"
+        assert not set(free) & set(idle), "a block is both free and cached"
         held = Counter(block for table in self.block_tables.values() for block in table)
+        live = set(held)
+        assert len(live) + len(free) + len(idle) == pool.num_blocks, "live + cached + free != total"
+        assert not live & (set(free) | set(idle)), "a block in a table is also free or cached"
         for block in range(pool.num_blocks):
             assert pool.ref_count(block) == held.get(block, 0), f"block {block}: ref count != tables holding it"
-        assert not set(free) & set(held), "a free block is in a block table"
-        assert len(held) == pool.num_used, "used blocks do not match the blocks in tables"
+        assert pool.num_shared_refs == sum(n - 1 for n in held.values()), "shared reference count is off"
+        for block in idle:
+            assert block in pool._hash_of, f"cached block {block} has no hash"
+        for block_hash, block in pool._block_of.items():
+            assert pool._hash_of[block] == block_hash, f"block {block} and its hash disagree"
+        assert len(pool._block_of) == len(pool._hash_of) == len(pool._key_of)

@@ -9,6 +9,8 @@ BatchingMode = Literal["continuous", "static"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ADMISSION_MODES = ("max_utilization", "guaranteed_no_evict")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")  # kernels.backend.BACKENDS
 
 
@@ -32,6 +34,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own limit
     batching: BatchingMode = "continuous"
+    # Who goes first. fcfs: arrival order. priority: lower ``priority`` value first (vLLM's convention:
+    # 0 beats 10), then arrival. Either way a request that has waited max_queue_wait_s since it arrived
+    # goes ahead of everything younger, preempting a running request if it must (None: no aging).
+    scheduling_policy: str = "fcfs"
+    max_queue_wait_s: float | None = 30.0
+    # max_utilization: admit while blocks for the next chunk exist, preempt on shortage (vLLM).
+    # guaranteed_no_evict: admit only when prompt + max_tokens fits, so nothing is ever preempted (TensorRT-LLM).
+    admission_mode: str = "max_utilization"
+    enable_prefix_caching: bool = True  # share full KV blocks between requests by content hash
     attention_backend: str = "auto"  # auto: flash-attn, then Triton, on CUDA; the torch kernels elsewhere
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (debugging, or to save their memory)
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
@@ -73,6 +84,16 @@ class EngineConfig:
             raise bad("batching", "must be 'continuous' or 'static'")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise bad("scheduling_policy", f"must be one of {SCHEDULING_POLICIES}")
+        if self.max_queue_wait_s is not None and (not isinstance(self.max_queue_wait_s, (int, float))
+                                                  or isinstance(self.max_queue_wait_s, bool)
+                                                  or not self.max_queue_wait_s > 0):
+            raise bad("max_queue_wait_s", "must be a number of seconds > 0, or None for no aging")
+        if self.admission_mode not in ADMISSION_MODES:
+            raise bad("admission_mode", f"must be one of {ADMISSION_MODES}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise bad("enable_prefix_caching", "must be true or false")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be true or false")
         if self.load_format not in LOAD_FORMATS:

@@ -194,7 +194,7 @@ class LLMEngine:
             parent_ids={r.request_id: r.parent_id for r in scheduler.running},
             num_waiting=len(scheduler.waiting),
             kv_blocks_used=scheduler.kv.pool.num_used,
-            kv_tokens_used=scheduler.num_tokens_in_cache() + new_tokens,
+            kv_tokens_used=scheduler.kv_stats().num_tokens_used + new_tokens,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -208,8 +208,10 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_queued_prompt_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             "kv_blocks_total": kv.num_blocks_total,
-            "kv_blocks_used": kv.num_blocks_used,
-            "kv_blocks_free": kv.num_blocks_free,
+            "kv_blocks_used": kv.num_blocks_used,  # live: held by requests
+            "kv_blocks_cached": kv.num_blocks_cached,  # idle, holding reusable prefixes, reclaimable
+            "kv_blocks_empty": kv.num_blocks_empty,
+            "kv_blocks_free": kv.num_blocks_free,  # available to new requests: empty + cached
             "kv_block_usage": kv.block_usage,
             "kv_token_usage": kv.token_usage,
             "block_size": self.config.block_size,
@@ -217,6 +219,8 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "prefix_cache_query_tokens": self.scheduler.num_prefix_query_tokens,
+            "prefix_cache_hit_tokens": self.scheduler.num_prefix_hit_tokens,
             "num_steps": self.num_steps,
             "batch_size": self.last_batch_size,
             "num_generated_tokens": self.num_generated_tokens,

@@ -25,9 +25,12 @@ class Scheduler:
     except in static mode, where finished members keep their blocks until the batch ends).
     """
 
+    prefix_caching = False  # subclasses that reuse cached prefixes turn it on
+
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
         self.config = config
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size,
+                                 enable_prefix_caching=self.prefix_caching and config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -38,6 +41,8 @@ class Scheduler:
         self._ended_without_token: list[Request] = []  # aborted or timed out since the last drain
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache at admission
+        self.num_prefix_hit_tokens = 0  # of those, found there (not computed again)
 
     # -- queue -----------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -155,10 +160,14 @@ class Scheduler:
         finished: list[Request] = []
         add_advanced = advanced.append
         done = RequestStatus.FINISHED
+        kv = self.kv
+        caching, block_size = kv.enable_prefix_caching, kv.block_size
         for request, num_new, token_id in zip(self._scheduled_requests, self._scheduled_counts, sampled_token_ids):
             if request.static_padding or request.status is done:
                 continue
-            request.num_computed_tokens += num_new
+            computed = request.num_computed_tokens = request.num_computed_tokens + num_new
+            if caching and computed >= (kv.num_hashed_blocks(request.request_id) + 1) * block_size:
+                kv.cache_computed_blocks(request.request_id, request.all_token_ids, computed)
             if token_id is None:
                 continue  # a prefill chunk that is not the last one
             request.append_token(token_id)
@@ -178,6 +187,15 @@ class Scheduler:
     def num_tokens_in_cache(self) -> int:
         return sum(r.num_computed_tokens for r in self.running)
 
+    def rank(self, request: Request, now: float) -> tuple[bool, int, int]:
+        """Who is served first (smallest) and preempted first (largest): a request that has waited
+        ``max_queue_wait_s`` since it arrived, then (policy ``priority``) the lower priority value,
+        then the earlier arrival."""
+        max_wait = self.config.max_queue_wait_s
+        aged = max_wait is not None and now - request.metrics.arrival_time >= max_wait
+        return (not aged, request.priority if self.config.scheduling_policy == "priority" else 0,
+                request.arrival_order)
+
     def kv_stats(self) -> KVCacheStats:
         return self.kv.stats(self.num_tokens_in_cache())
 
@@ -188,11 +206,19 @@ class ContinuousScheduler(Scheduler):
     Each step, in this order:
       1. every running request advances: decodes take one token each, then unfinished prefills
          take chunks from what is left of the token budget;
-      2. waiting requests are admitted, oldest first, while a batch slot, budget and blocks remain;
-      3. if blocks run out, the newest running request is preempted: its blocks are freed and it
-         goes back to the front of the queue, to be recomputed.
+      2. waiting requests are admitted in ``rank`` order while a batch slot, budget and blocks remain.
+         A request's cached prefix (``enable_prefix_caching``) is taken over, not computed. With
+         ``admission_mode="guaranteed_no_evict"`` a request is admitted only if blocks for its whole
+         prompt + max_tokens can be reserved now, so nothing is ever preempted;
+      3. if blocks run out, the running request ranked last (aged requests last of all, then the
+         worst priority, then the newest) is preempted: its blocks are freed (full ones stay cached)
+         and it goes back to the queue, to be recomputed. A waiting request that outranks the last
+         running one by age or by priority also preempts it to get in: that is what bounds a
+         request's wait to ``max_queue_wait_s`` under a flood of higher-priority work.
     Finished requests already left in ``update`` of the step they finished in.
     """
+
+    prefix_caching = True
 
     def _pick(self) -> dict[Request, int]:
         budget = self.config.max_num_batched_tokens
@@ -207,6 +233,7 @@ class ContinuousScheduler(Scheduler):
                 decoding.append(request)
             elif left > 1:
                 prefilling.append(request)
+        now = time.time()
         for request in decoding + prefilling:
             if request.status is not running_status or budget == 0:
                 continue  # preempted earlier in this loop
@@ -215,7 +242,7 @@ class ContinuousScheduler(Scheduler):
             if num_new > budget:
                 num_new = budget
             while not allocate(request.request_id, computed + num_new):
-                victim = max(self.running, key=lambda r: r.arrival_order)
+                victim = max(self.running, key=lambda r: self.rank(r, now))
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
                 preempted = True
@@ -225,18 +252,52 @@ class ContinuousScheduler(Scheduler):
                 scheduled[request] = num_new
                 budget -= num_new
 
-        # Admitting new work right after a preemption would only evict it again next step.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled[request] = num_new
-            budget -= num_new
+        # Admitting new work right after a shortage preemption would only evict it again next step.
+        if not preempted:
+            self._admit(scheduled, budget, now)
         return scheduled
+
+    def _admit(self, scheduled: dict[Request, int], budget: int, now: float) -> None:
+        config, kv = self.config, self.kv
+        guaranteed = config.admission_mode == "guaranteed_no_evict"
+        by_priority = config.scheduling_policy == "priority"
+        while self.waiting and budget > 0:
+            # fcfs keeps the queue in arrival order, which is also rank order (the oldest is the most aged)
+            request = min(self.waiting, key=lambda r: self.rank(r, now)) if by_priority else self.waiting[0]
+            hit = 0
+            if request.num_computed_tokens == 0:
+                hit = kv.match_prefix(request.request_id, request.all_token_ids)
+                request.num_computed_tokens = hit
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            wanted = request.max_total_tokens if guaranteed else request.num_computed_tokens + num_new
+            if len(self.running) < config.max_num_seqs and kv.allocate(request.request_id, wanted):
+                self.waiting.remove(request)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled[request] = num_new
+                budget -= num_new
+                self.num_prefix_query_tokens += request.num_tokens
+                self.num_prefix_hit_tokens += hit
+                continue
+            if hit:  # not admitted: give the cached blocks back
+                kv.free(request.request_id)
+                request.num_computed_tokens = 0
+            if guaranteed or not self._make_room_for(request, scheduled, now):
+                break
+            budget = config.max_num_batched_tokens - sum(scheduled.values())
+
+    def _make_room_for(self, request: Request, scheduled: dict[Request, int], now: float) -> bool:
+        """Preempt the last-ranked running request if ``request`` outranks it by age or priority (not by
+        arrival alone: fcfs never preempts for newcomers). True if one was preempted."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=lambda r: self.rank(r, now))
+        mine, theirs = self.rank(request, now), self.rank(victim, now)
+        if mine[:2] >= theirs[:2]:
+            return False
+        scheduled.pop(victim, None)
+        self._preempt(victim)
+        return True
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -246,7 +307,13 @@ class ContinuousScheduler(Scheduler):
         request.metrics.num_preemptions += 1
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Back into the queue at its arrival position, so the fcfs queue stays in arrival order."""
+        order = request.arrival_order
+        index = next((i for i, r in enumerate(self.waiting) if r.arrival_order > order), len(self.waiting))
+        self.waiting.insert(index, request)
 
 
 class StaticScheduler(Scheduler):

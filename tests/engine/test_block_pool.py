@@ -117,11 +117,11 @@ STOP_TOKEN = 5
 
 
 def drive_scheduler(batching: str, seed: int, num_kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    num_requests: int):
+                    num_requests: int, **config):
     rng = random.Random(seed)
     block_size = 4
     scheduler = make_scheduler(num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_num_batched_tokens, batching=batching)
+                               max_num_batched_tokens=max_num_batched_tokens, batching=batching, **config)
     capacity = num_kv_blocks * block_size
     all_requests = []
     to_stop: set[str] = set()
@@ -134,6 +134,7 @@ def drive_scheduler(batching: str, seed: int, num_kv_blocks: int, max_num_seqs: 
             max_tokens = rng.randint(1, min(20, capacity - prompt_len))
             request = make_request(f"q{len(all_requests)}", prompt_len, max_tokens,
                                    stop_token_ids=[STOP_TOKEN])
+            request.priority = rng.randint(0, 3)  # only the priority policy looks at it
             scheduler.add(request)
             all_requests.append(request)
             pending -= 1
@@ -168,7 +169,8 @@ def drive_scheduler(batching: str, seed: int, num_kv_blocks: int, max_num_seqs: 
             if request.status is RequestStatus.RUNNING:
                 assert request in scheduler.running
                 assert request.request_id in scheduler.kv.block_tables
-        assert scheduler.kv.pool.num_used == sum(len(t) for t in scheduler.kv.block_tables.values())
+        # every prompt here starts with the same tokens, so full prefix blocks are shared: count blocks once
+        assert scheduler.kv.pool.num_used == len({b for t in scheduler.kv.block_tables.values() for b in t})
         if not pending and not scheduler.has_unfinished():
             break
     else:
@@ -203,10 +205,28 @@ def test_static_scheduler_random_traffic(seed, num_kv_blocks, max_num_seqs, max_
 
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_kv_blocks=st.integers(8, 40), max_num_seqs=st.integers(1, 6),
+       max_num_batched_tokens=st.integers(6, 40), num_requests=st.integers(1, 12),
+       policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["max_utilization", "guaranteed_no_evict"]),
+       max_queue_wait_s=st.sampled_from([None, 1e-9, 30.0]))
+def test_policies_and_admission_modes_keep_the_books(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+                                                    num_requests, policy, mode, max_queue_wait_s):
+    """Random traffic under every policy, admission mode and aging setting (1e-9 s: everyone is aged at
+    once): every request finishes, block accounting is exact after every step, and guaranteed_no_evict
+    never preempts."""
+    scheduler, _ = drive_scheduler("continuous", seed, num_kv_blocks, max_num_seqs,
+                                   max(max_num_seqs, max_num_batched_tokens), num_requests,
+                                   scheduling_policy=policy, admission_mode=mode, max_queue_wait_s=max_queue_wait_s)
+    if mode == "guaranteed_no_evict":
+        assert scheduler.num_preemptions == 0
+
+
 def test_random_traffic_covers_preemption_and_aborts():
     """The random driver really reaches the hard paths (else the properties above prove little)."""
     scheduler, requests = drive_scheduler("continuous", seed=5, num_kv_blocks=12, max_num_seqs=4,
                                           max_num_batched_tokens=12, num_requests=12)
     assert scheduler.num_preemptions > 0
+    assert scheduler.num_prefix_hit_tokens > 0  # shared prompt prefixes were taken from the cache
     reasons = {r.finish_reason for r in requests}
     assert {"abort", "length", "stop"} <= reasons

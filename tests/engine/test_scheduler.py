@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
-from engine.request import RequestStatus
-from tests.engine.helpers import fake_step, make_request, make_requests, make_scheduler
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from tests.engine.helpers import EOS_ID, fake_step, make_request, make_requests, make_scheduler
 
 
 def blocks_used(scheduler) -> int:
@@ -86,7 +87,7 @@ def test_preemption_evicts_newest_running_request():
 
 
 def test_preempted_request_is_recomputed_from_scratch():
-    scheduler = make_scheduler(num_kv_blocks=4, max_num_seqs=4, max_num_batched_tokens=32)
+    scheduler = make_scheduler(num_kv_blocks=4, max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=False)
     a, b = make_requests([7, 7], max_tokens=3)
     for r in (a, b):
         scheduler.add(r)
@@ -98,6 +99,25 @@ def test_preempted_request_is_recomputed_from_scratch():
     assert out.request_ids == ["r1"]
     assert out.start_positions == [0] and out.query_lens == [9] and out.sample == [True]
     assert out.input_token_ids == b.all_token_ids[:9]
+
+
+def test_preempted_request_resumes_from_its_cached_full_blocks():
+    """With prefix caching its full blocks stay cached when it is preempted; if nobody took them over,
+    it gets them back and computes only the rest."""
+    scheduler = make_scheduler(num_kv_blocks=4, max_num_seqs=4, max_num_batched_tokens=32, block_size=4)
+    a = make_request("a", 7, max_tokens=3)
+    b = Request("b", list(range(100, 107)), SamplingParams(temperature=0.0, max_tokens=3), max_model_len=4096,
+                eos_token_ids=frozenset({EOS_ID}))  # a different prompt: nothing shared with a
+    for r in (a, b):
+        scheduler.add(r)
+    for _ in range(3):
+        fake_step(scheduler)
+    assert scheduler.num_preemptions == 1 and a.is_finished
+    out, _ = fake_step(scheduler)  # b: its first block (4 tokens) was full and computed: taken from the cache
+    assert out.request_ids == ["b"]
+    assert out.start_positions == [4] and out.query_lens == [5] and out.sample == [True]
+    assert scheduler.num_prefix_hit_tokens == 4
+    scheduler.kv.check_invariants()
 
 
 def test_abort_frees_blocks_immediately():

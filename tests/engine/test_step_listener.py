@@ -23,9 +23,10 @@ def test_listener_sees_every_step_with_slots_waiting_and_kv():
     assert (first.kv_tokens_used, first.kv_blocks_used) == (16, 4)
     second = records[1]
     assert second.batch.query_lens == [1, 1] and second.kv_tokens_used == 18
-    # a ends after its 2nd token (step 2): c takes its slot in step 3, prefilling next to b's decode
+    # a ends after its 2nd token (step 2): c takes its slot in step 3, prefilling next to b's decode;
+    # its prompt is a's, so a's first full block comes from the prefix cache and 4 tokens are left
     third = records[2]
     assert sorted(third.parent_ids[s] for s in third.running_ids) == ["b", "c"]
-    assert third.num_waiting == 0 and sorted(third.batch.query_lens) == [1, 8]
+    assert third.num_waiting == 0 and sorted(third.batch.query_lens) == [1, 4]
     assert all(r.duration_s > 0 for r in records)
 
