@@ -28,6 +28,13 @@ class ReplicaMetrics:
         self.kv_usage = gauge("llm_kv_cache_usage_ratio", "KV blocks in use / total blocks")
         self.kv_token_usage = gauge("llm_kv_cache_token_usage_ratio",
                                     "KV token slots holding data / all token slots (the gap to block usage is fragmentation)")
+        # Three disjoint states of a KV block (block usage alone misleads: cached blocks are reclaimable).
+        self.kv_blocks_live = gauge("llm_kv_blocks_live", "KV blocks held by running requests")
+        self.kv_blocks_cached = gauge("llm_kv_blocks_cached",
+                                      "idle KV blocks holding a reusable prefix (reclaimable at once)")
+        self.kv_blocks_empty = gauge("llm_kv_blocks_empty", "KV blocks holding nothing")
+        self.prefix_hit_rate = gauge("llm_prefix_cache_hit_rate",
+                                     "prompt tokens found in the prefix cache / prompt tokens looked up, since start")
         self.running = gauge("llm_num_requests_running", "requests holding a batch slot")
         self.waiting = gauge("llm_num_requests_waiting", "requests queued in the engine")
         self.batch_size = gauge("llm_batch_size", "rows in the latest engine step")
@@ -53,6 +60,11 @@ class ReplicaMetrics:
     def observe_stats(self, stats: dict[str, Any]) -> None:
         self.kv_usage.set(stats["kv_block_usage"])
         self.kv_token_usage.set(stats["kv_token_usage"])
+        self.kv_blocks_live.set(stats["kv_blocks_used"])
+        self.kv_blocks_cached.set(stats["kv_blocks_cached"])
+        self.kv_blocks_empty.set(stats["kv_blocks_empty"])
+        if stats["prefix_cache_query_tokens"]:
+            self.prefix_hit_rate.set(stats["prefix_cache_hit_tokens"] / stats["prefix_cache_query_tokens"])
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         new_preemptions = stats["num_preemptions"] - self._last_preemptions

@@ -130,7 +130,10 @@ class LLMReplica:
                 "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
                 "num_queued_prompt_tokens": stats["num_queued_prompt_tokens"],
                 "kv_blocks_used": stats["kv_blocks_used"], "kv_blocks_total": stats["kv_blocks_total"],
-                "kv_blocks_free": stats["kv_blocks_free"], "kv_token_usage": stats["kv_token_usage"],
+                "kv_blocks_free": stats["kv_blocks_free"], "kv_blocks_cached": stats["kv_blocks_cached"],
+                "kv_token_usage": stats["kv_token_usage"],
+                "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
+                "prefix_cache_query_tokens": stats["prefix_cache_query_tokens"],
                 "max_num_seqs": stats["max_num_seqs"], "max_model_len": stats["max_model_len"],
                 "num_preemptions": stats["num_preemptions"], "num_finished_requests": stats["num_finished_requests"],
                 "num_generated_tokens": stats["num_generated_tokens"], "time": time.time()}

@@ -21,7 +21,8 @@ from tests.serving.helpers import (
 )
 
 GAUGES = ["ray_llm_kv_cache_usage_ratio", "ray_llm_kv_cache_token_usage_ratio", "ray_llm_num_requests_running",
-          "ray_llm_num_requests_waiting", "ray_llm_batch_size"]
+          "ray_llm_num_requests_waiting", "ray_llm_batch_size", "ray_llm_kv_blocks_live", "ray_llm_kv_blocks_cached",
+          "ray_llm_kv_blocks_empty"]
 HISTOGRAMS = ["ray_llm_time_to_first_token_seconds", "ray_llm_time_per_output_token_seconds",
               "ray_llm_e2e_request_latency_seconds", "ray_llm_request_queue_time_seconds",
               "ray_llm_scheduler_step_seconds"]
@@ -120,4 +121,6 @@ def test_stats_endpoint_shape(client):
     (replica,) = stats["replicas"]
     assert replica["model"] == MODEL and replica["max_num_seqs"] == 32 and replica["max_model_len"] == 2048
     assert replica["kv_blocks_used"] + replica["kv_blocks_free"] == replica["kv_blocks_total"] == 256
+    assert 0 <= replica["kv_blocks_cached"] <= replica["kv_blocks_free"]  # cached blocks are reclaimable
+    assert 0 <= replica["prefix_cache_hit_tokens"] <= replica["prefix_cache_query_tokens"]
     assert abs(replica["time"] - time.time()) < 5
