@@ -4,10 +4,10 @@ from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, DeadlineUnmeetableError, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM", "LLMEngine", "AsyncLLMEngine", "EngineDeadError", "EngineConfig", "SamplingParams",
-    "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
+    "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "DeadlineUnmeetableError",
 ]

@@ -16,7 +16,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from engine.llm_engine import LLMEngine, PromptInput
-from engine.outputs import RequestOutput
+from engine.outputs import DeadlineUnmeetableError, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -106,7 +106,7 @@ class AsyncLLMEngine:
                 while not queue.empty() and isinstance(item, RequestOutput) and not item.finished:
                     nxt = queue.get_nowait()
                     item = _merge(item, nxt) if isinstance(nxt, RequestOutput) else nxt
-                if isinstance(item, ValueError):
+                if isinstance(item, (ValueError, DeadlineUnmeetableError)):
                     raise item  # the request was refused; the engine is fine
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine step loop died: {item!r}") from item
@@ -158,7 +158,7 @@ class AsyncLLMEngine:
         for requests in adds:
             try:
                 self.engine.enqueue(requests)
-            except ValueError as e:
+            except (ValueError, DeadlineUnmeetableError) as e:
                 refused.append((requests[0].parent_id, e))
         for request_id in aborts:
             self.engine.abort_request(request_id)
@@ -198,7 +198,7 @@ class AsyncLLMEngine:
             if queue is not None:
                 queue.put_nowait(output)
 
-    def _deliver_errors(self, refused: list[tuple[str, ValueError]]) -> None:
+    def _deliver_errors(self, refused: list[tuple[str, Exception]]) -> None:
         for request_id, error in refused:
             queue = self._queues.get(request_id)
             if queue is not None:

@@ -11,12 +11,13 @@ from engine.config import EngineConfig
 from engine.models.loader import read_model_source
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import DeadlineUnmeetableError, RequestOutput
 from engine.request import Request
 from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import make_scheduler
 from engine.scheduler_output import SchedulerOutput, StepRecord
+from engine.ttft_predictor import TTFTPredictor
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
@@ -42,6 +43,9 @@ class LLMEngine:
         self.max_model_len = self._fit_max_model_len_to_pool(self.runner.num_kv_blocks)
         self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Deadline-aware admission needs the continuous scheduler's step-by-step admission to predict.
+        self.predictor = (TTFTPredictor(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+                          if self.config.batching == "continuous" else None)
         self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._sequence_ids = itertools.count()
         self.num_steps = 0
@@ -106,9 +110,29 @@ class LLMEngine:
         parent = requests[0].parent_id
         if parent in self._children:
             raise ValueError(f"request_id {parent!r} is already in use")
+        self._check_deadline(requests)
         for request in requests:
             self.scheduler.add(request)
         self._children[parent] = requests
+
+    def _check_deadline(self, requests: list[Request]) -> None:
+        """Predict the first token's time; refuse at once if it is past the deadline (see ttft_predictor)."""
+        if self.predictor is None or not self.predictor.ready:
+            return
+        first, now = requests[0], time.time()
+        num_ahead, tokens_ahead = self.scheduler.work_ahead_of(first, now)
+        remaining = [r.max_total_tokens - r.num_tokens for r in self.scheduler.running]
+        # n siblings are admitted one after another: the last one's first token is the request's
+        predicted = self.predictor.predict(first.num_tokens * len(requests), tokens_ahead, num_ahead + len(requests) - 1,
+                                           remaining)
+        for request in requests:
+            request.metrics.predicted_ttft_s = predicted
+        if first.deadline is not None and now + predicted > first.deadline:
+            allowed = first.deadline - now
+            raise DeadlineUnmeetableError(
+                f"the deadline ({allowed:.3f} s from now) cannot be met: the predicted time to first token is "
+                f"{predicted:.3f} s with {num_ahead} requests ({tokens_ahead} tokens) queued ahead",
+                predicted_ttft_s=predicted, retry_after_s=predicted - max(0.0, allowed))
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
@@ -144,7 +168,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler = self.scheduler
         listener = self.step_listener
-        started = time.perf_counter() if listener is not None else 0.0
+        started = time.perf_counter()
         batch = scheduler.schedule()
         record = self._record_step(batch) if listener is not None else None
         self.last_batch_size = batch.num_rows
@@ -171,6 +195,10 @@ class LLMEngine:
                 touched[request.parent_id] = None
             self.num_generated_tokens += len(advanced)
             self.num_steps += 1
+            if self.predictor is not None:
+                num_decode_rows = batch.query_lens.count(1)
+                self.predictor.observe(time.perf_counter() - started, batch.num_tokens - num_decode_rows,
+                                       num_decode_rows)
         outputs = []
         children_of, make_output = self._children, self.output_processor.make_output
         for parent in touched:

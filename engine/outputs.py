@@ -8,6 +8,18 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "abort", "timeout"]
 
 
+class DeadlineUnmeetableError(Exception):
+    """Refused at admission: the predicted time to first token is past the request's deadline.
+
+    Not a ``ValueError``: the request is fine, the engine is busy. Servers answer 429 with
+    ``Retry-After: retry_after_s`` (when the work ahead should have drained enough)."""
+
+    def __init__(self, message: str, predicted_ttft_s: float, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.predicted_ttft_s = predicted_ttft_s
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(frozen=True)
 class Logprob:
     logprob: float
@@ -24,6 +36,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    predicted_ttft_s: float | None = None  # the admission-time prediction (None before the predictor is ready)
 
 
 @dataclass

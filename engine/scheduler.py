@@ -187,6 +187,15 @@ class Scheduler:
     def num_tokens_in_cache(self) -> int:
         return sum(r.num_computed_tokens for r in self.running)
 
+    def work_ahead_of(self, request: Request, now: float) -> tuple[int, int]:
+        """(requests, uncomputed tokens) waiting that would be admitted before ``request``."""
+        if self.config.scheduling_policy == "fcfs":
+            ahead = [r for r in self.waiting if r is not request]
+        else:
+            mine = self.rank(request, now)
+            ahead = [r for r in self.waiting if r is not request and self.rank(r, now) < mine]
+        return len(ahead), sum(r.num_tokens - r.num_computed_tokens for r in ahead)
+
     def rank(self, request: Request, now: float) -> tuple[bool, int, int]:
         """Who is served first (smallest) and preempted first (largest): a request that has waited
         ``max_queue_wait_s`` since it arrived, then (policy ``priority``) the lower priority value,

@@ -23,9 +23,10 @@ from typing import Any, AsyncIterator
 import ray
 from ray import serve
 
-from engine import AsyncLLMEngine, SamplingParams
+from engine import AsyncLLMEngine, DeadlineUnmeetableError, SamplingParams
 from engine.outputs import RequestOutput
 from serve_app.admission import DrainRate
+from serve_app.autoscaling import autoscaling_metrics
 from serve_app.errors import BadRequestError, OverloadedError, param_of_value_error
 from serve_app.metrics import ReplicaMetrics
 
@@ -89,6 +90,9 @@ class LLMReplica:
                     held, last_sent = None, now
                 if output.finished:
                     self._on_finished(output)
+        except DeadlineUnmeetableError as e:  # refused at admission (before any output): a late first token predicted
+            self.metrics.rejections.inc()
+            yield {"error": OverloadedError(str(e), retry_after_s=e.retry_after_s).to_dict()}
         finally:
             self.num_streams -= 1
 
@@ -143,6 +147,10 @@ class LLMReplica:
         self._ensure_stats_task()
         return self.stats()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Polled by Serve's autoscaler when the deployment autoscales: this replica's engine load."""
+        return autoscaling_metrics(self.engine.stats())
+
     async def check_health(self) -> None:
         self.engine.check_health()  # raises EngineDeadError if the step loop died
 
@@ -187,3 +195,4 @@ def _logprob_entry(entry: dict, token_id: int, num_top: int) -> dict[str, Any]:
     top = sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
     return {"token": chosen.decoded_token or "", "logprob": chosen.logprob,
             "top": [(lp.decoded_token or "", lp.logprob) for lp in top]}
+

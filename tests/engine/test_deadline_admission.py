@@ -1,0 +1,95 @@
+"""Deadline-aware admission: the engine predicts time to first token and refuses what it cannot meet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncLLMEngine, DeadlineUnmeetableError, SamplingParams
+from engine.ttft_predictor import MIN_OBSERVATIONS, TTFTPredictor
+from tests.engine.helpers import ENGINE_DEFAULTS, greedy, make_engine, random_prompts, run_engine
+
+
+def fitted(base=0.002, per_token=1e-4, per_row=5e-5, budget=64, slots=4) -> TTFTPredictor:
+    predictor = TTFTPredictor(budget, slots, decay=1.0)
+    for tokens, rows in [(0, 1), (0, 4), (64, 0), (32, 2), (10, 3), (50, 1), (0, 2), (20, 4), (60, 4)]:
+        predictor.observe(base + per_token * tokens + per_row * rows, tokens, rows)
+    return predictor
+
+
+def test_predictor_recovers_the_step_cost_model():
+    predictor = fitted()
+    assert predictor.ready
+    assert predictor.step_seconds(100, 3) == pytest.approx(0.002 + 0.01 + 1.5e-4, rel=1e-6)
+
+
+def test_prediction_counts_prefill_chunks_and_waiting_for_a_slot():
+    predictor = fitted()
+    # A free slot, nobody ahead: 100 prompt tokens through (64 - 2 decode rows) = 62 per step -> 2 steps.
+    alone = predictor.predict(100, tokens_ahead=0, num_ahead=0, running_remaining=[5, 9])
+    assert alone == pytest.approx(2 * (0.002 + 2 * 5e-5) + 100 * 1e-4, rel=1e-6)
+    # All 4 slots busy (remaining 3, 7, 8, 20 tokens) and one request ahead: the 2nd to end (7 steps) frees ours.
+    busy = predictor.predict(100, tokens_ahead=30, num_ahead=1, running_remaining=[20, 3, 8, 7])
+    slot_wait = 7 * (0.002 + 4 * 5e-5)
+    prefill = 3 * (0.002 + 4 * 5e-5) + 130 * 1e-4  # 130 tokens at 60 per step -> 3 steps
+    assert busy == pytest.approx(slot_wait + prefill, rel=1e-6)
+
+
+def test_predictor_is_silent_until_it_has_seen_enough_steps():
+    predictor = TTFTPredictor(64, 4)
+    for _ in range(MIN_OBSERVATIONS - 1):
+        predictor.observe(0.01, 10, 1)
+    assert not predictor.ready
+
+
+def busy_engine():
+    """An engine that has run enough steps to trust its predictor, with a long queue of long prompts."""
+    engine = make_engine(max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=512)
+    for i, prompt in enumerate(random_prompts(3, 20, 30, seed=1)):
+        engine.add_request(f"warm{i}", prompt, greedy(4))
+    run_engine(engine)
+    assert engine.predictor.ready
+    for i, prompt in enumerate(random_prompts(12, 100, 120, seed=2)):
+        engine.add_request(f"q{i}", prompt, greedy(8))
+    return engine
+
+
+def test_unmeetable_deadline_is_refused_at_once_and_disturbs_nothing():
+    engine = busy_engine()
+    with pytest.raises(DeadlineUnmeetableError) as refused:
+        engine.add_request("hurry", random_prompts(1, 50, 50, seed=3)[0], greedy(4, timeout_s=0.001))
+    assert refused.value.retry_after_s > 0 and refused.value.predicted_ttft_s > 0.001
+    assert "hurry" not in engine.scheduler.requests
+    engine.add_request("patient", random_prompts(1, 50, 50, seed=3)[0], greedy(4, timeout_s=600))
+    finished = run_engine(engine)
+    assert all(out.outputs[0].finish_reason == "length" for out in finished.values())
+    assert set(finished) == {f"q{i}" for i in range(12)} | {"patient"}
+    predicted = engine_predictions(finished)
+    assert predicted and all(p > 0 for p in predicted)
+
+
+def engine_predictions(finished):
+    return [out.metrics.predicted_ttft_s for out in finished.values() if out.metrics.predicted_ttft_s is not None]
+
+
+def test_async_engine_refuses_through_the_stream():
+    async def body():
+        engine = AsyncLLMEngine("demo-tiny", **{**ENGINE_DEFAULTS, "max_num_seqs": 2, "max_num_batched_tokens": 16})
+        try:
+            warm = [engine.generate(p, greedy(4)) for p in random_prompts(3, 20, 30, seed=1)]
+            for stream in warm:
+                async for _ in stream:
+                    pass
+            streams = [engine.submit(p, greedy(8)) for p in random_prompts(12, 100, 120, seed=2)]
+            refused = engine.submit(random_prompts(1, 50, 50, seed=3)[0], SamplingParams(max_tokens=4, timeout_s=0.001))
+            with pytest.raises(DeadlineUnmeetableError):
+                async for _ in refused:
+                    pass
+            for stream in streams:
+                async for _ in stream:
+                    pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(body())
