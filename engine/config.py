@@ -11,6 +11,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ADMISSION_MODES = ("max_utilization", "guaranteed_no_evict")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")  # kernels.backend.BACKENDS
 
 
@@ -43,6 +44,10 @@ class EngineConfig:
     # guaranteed_no_evict: admit only when prompt + max_tokens fits, so nothing is ever preempted (TensorRT-LLM).
     admission_mode: str = "max_utilization"
     enable_prefix_caching: bool = True  # share full KV blocks between requests by content hash
+    # A preempted request's KV is recomputed later, or swapped to host memory (up to swap_space_bytes) and
+    # copied back. auto: per victim, whichever costs less time (tokens to recompute vs bytes to copy).
+    preemption_mode: str = "auto"
+    swap_space_bytes: int = 0
     attention_backend: str = "auto"  # auto: flash-attn, then Triton, on CUDA; the torch kernels elsewhere
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (debugging, or to save their memory)
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
@@ -94,6 +99,13 @@ class EngineConfig:
             raise bad("admission_mode", f"must be one of {ADMISSION_MODES}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise bad("enable_prefix_caching", "must be true or false")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise bad("preemption_mode", f"must be one of {PREEMPTION_MODES}")
+        if not isinstance(self.swap_space_bytes, int) or isinstance(self.swap_space_bytes, bool) \
+                or self.swap_space_bytes < 0:
+            raise bad("swap_space_bytes", "must be an integer >= 0")
+        if self.preemption_mode == "swap" and self.swap_space_bytes == 0:
+            raise bad("swap_space_bytes", "must be > 0 when preemption_mode is 'swap'")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be true or false")
         if self.load_format not in LOAD_FORMATS:

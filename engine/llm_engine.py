@@ -46,6 +46,7 @@ class LLMEngine:
         # Deadline-aware admission needs the continuous scheduler's step-by-step admission to predict.
         self.predictor = (TTFTPredictor(self.config.max_num_batched_tokens, self.config.max_num_seqs)
                           if self.config.batching == "continuous" else None)
+        self._set_preemption_costs()
         self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._sequence_ids = itertools.count()
         self.num_steps = 0
@@ -54,6 +55,22 @@ class LLMEngine:
         self.num_generated_tokens = 0
         # Called at the end of every step with what it did; off (None) unless a benchmark or tracer sets it.
         self.step_listener: Callable[[StepRecord], None] | None = None
+
+    def _set_preemption_costs(self) -> None:
+        """Swap or recompute a victim: time to copy its blocks out and back at the measured host-copy rate,
+        against time to recompute its tokens at the measured prefill cost per token."""
+        runner, scheduler = self.runner, self.scheduler
+        scheduler.set_swap_space(runner.num_swap_blocks)
+        if runner.num_swap_blocks:
+            scheduler.swap_seconds = lambda blocks: 2 * blocks * runner.kv_bytes_per_block / runner.swap_bytes_per_s
+
+        def recompute_seconds(tokens: int) -> float:
+            predictor = self.predictor
+            if predictor is None or not predictor.ready:
+                return tokens * 1e-4
+            return predictor.step_seconds(tokens, 0) - predictor.step_seconds(0, 0)
+
+        scheduler.recompute_seconds = recompute_seconds
 
     def _resolve_max_model_len(self, cfg) -> int:
         limit = cfg.max_position_embeddings
@@ -247,6 +264,8 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "num_swapped_out_bytes": self.scheduler.num_swapped_out_blocks * self.runner.kv_bytes_per_block,
+            "num_swapped_in_bytes": self.scheduler.num_swapped_in_blocks * self.runner.kv_bytes_per_block,
             "prefix_cache_query_tokens": self.scheduler.num_prefix_query_tokens,
             "prefix_cache_hit_tokens": self.scheduler.num_prefix_hit_tokens,
             "num_steps": self.num_steps,

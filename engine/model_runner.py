@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +85,15 @@ class ModelRunner:
                           for _ in range(source.config.num_layers)]
         self.scratch_slot = self.num_kv_blocks * self.block_size
         self.sampler = Sampler(config.seed)
+        # Host memory for preempted requests' KV (swapping), in the device cache's layout, block for block.
+        self.num_swap_blocks = config.swap_space_bytes // self.kv_bytes_per_block
+        host_shape = self.backend.kv_cache_shape(self.num_swap_blocks, self.block_size, source.config.num_kv_heads,
+                                                 source.config.head_dim)
+        pin = self.device.type == "cuda"
+        self.swap_caches = [(torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
+                             torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin))
+                            for _ in range(source.config.num_layers)] if self.num_swap_blocks else []
+        self.swap_bytes_per_s = self._measure_swap_rate() if self.num_swap_blocks else 0.0
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             cfg = source.config
@@ -146,8 +156,38 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak)
 
+    def _measure_swap_rate(self) -> float:
+        """Bytes per second of one block copy out to the host and back (what choosing swap over recompute weighs)."""
+        blocks = torch.arange(min(self.num_swap_blocks, self.num_kv_blocks, 64))
+        pairs = list(zip(blocks.tolist(), blocks.tolist()))
+        self.copy_blocks(pairs, [])  # warm-up
+        started = time.perf_counter()
+        self.copy_blocks(pairs, pairs)
+        seconds = max(time.perf_counter() - started, 1e-9)
+        return 2 * len(pairs) * self.kv_bytes_per_block / seconds
+
+    @torch.inference_mode()
+    def copy_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Preempted requests' KV to host blocks, then resumed requests' KV back into their new device blocks."""
+        dim = self.backend.block_dim
+        if swap_out:
+            device_blocks = torch.tensor([d for d, _ in swap_out], device=self.device)
+            host_blocks = torch.tensor([h for _, h in swap_out])
+            for cache, host in zip(self.kv_caches, self.swap_caches):
+                for device_tensor, host_tensor in zip(cache, host):
+                    host_tensor.index_copy_(dim, host_blocks, device_tensor.index_select(dim, device_blocks).cpu())
+        if swap_in:
+            host_blocks = torch.tensor([h for h, _ in swap_in])
+            device_blocks = torch.tensor([d for _, d in swap_in], device=self.device)
+            for cache, host in zip(self.kv_caches, self.swap_caches):
+                for device_tensor, host_tensor in zip(cache, host):
+                    device_tensor.index_copy_(dim, device_blocks,
+                                              host_tensor.index_select(dim, host_blocks).to(self.device, non_blocking=True))
+
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, sampling: SamplingBatch) -> RunnerOutput:
+        if batch.swap_out or batch.swap_in:
+            self.copy_blocks(batch.swap_out, batch.swap_in)
         arrays = self._prepare(batch)
         logits_index = torch.from_numpy(arrays.logits_index).to(self.device)
         input_ids = np.asarray(batch.input_token_ids, dtype=np.int64)

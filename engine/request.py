@@ -33,7 +33,7 @@ class Request:
         "all_token_ids", "params", "priority", "arrival_order", "num_computed_tokens", "status",
         "finish_reason", "stop_reason", "metrics", "deadline", "generator", "max_total_tokens",
         "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
-        "cumulative_logprob", "static_padding",
+        "cumulative_logprob", "static_padding", "swapped_blocks",
     )
 
     def __init__(
@@ -82,6 +82,7 @@ class Request:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.static_padding = False  # static mode: finished, but still holds its slot until the batch ends
+        self.swapped_blocks: list[int] | None = None  # preempted by swapping: its KV's host blocks, in order
 
     @property
     def num_tokens(self) -> int:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
-from engine.block_pool import KVCacheManager, KVCacheStats
+from engine.block_pool import BlockPool, KVCacheManager, KVCacheStats
 from engine.config import EngineConfig
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
@@ -43,6 +44,21 @@ class Scheduler:
         self.num_recomputed_tokens = 0
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache at admission
         self.num_prefix_hit_tokens = 0  # of those, found there (not computed again)
+        # Swapping: host blocks for preempted requests' KV, and the copies the next batch must make first.
+        self.swap_pool: BlockPool | None = None
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
+        # Host blocks a pending swap-in still has to read: a swap-out in the same step must not get them,
+        # since the runner makes the outs first.
+        self._host_blocks_read: list[int] = []
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        # Seconds to recompute n tokens / to copy n blocks out and back; the engine sets measured ones.
+        self.recompute_seconds: Callable[[int], float] = lambda tokens: tokens * 1e-4
+        self.swap_seconds: Callable[[int], float] = lambda blocks: blocks * 1e-5
+
+    def set_swap_space(self, num_blocks: int) -> None:
+        self.swap_pool = BlockPool(num_blocks) if num_blocks > 0 else None
 
     # -- queue -----------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -77,6 +93,9 @@ class Scheduler:
         if request.deadline is not None:
             self._num_with_deadline -= 1
         self.requests.pop(request.request_id, None)
+        if request.swapped_blocks is not None:  # ended while swapped out: its host copy is no longer needed
+            self.swap_pool.free(request.swapped_blocks)
+            request.swapped_blocks = None
         if was_running:
             if self.config.batching == "static" and request.num_computed_tokens > 0:
                 request.static_padding = True  # keeps slot and blocks until its batch ends
@@ -149,6 +168,11 @@ class Scheduler:
                     now = now or time.time()
                     metrics.first_scheduled_time = now
             add_table(tables[request.request_id])
+        if requests and (self._swap_out or self._swap_in):
+            # Copies ride with a batch that has rows: only a forward could overwrite the blocks they read.
+            out.swap_out, out.swap_in, self._swap_out, self._swap_in = self._swap_out, self._swap_in, [], []
+            self.swap_pool.free(self._host_blocks_read)
+            self._host_blocks_read = []
         return out
 
     def update(self, sampled_token_ids: list[int | None]) -> list[Request]:
@@ -283,6 +307,12 @@ class ContinuousScheduler(Scheduler):
                 self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                if request.swapped_blocks is not None:  # its KV comes back into the first blocks of its new table
+                    host = request.swapped_blocks
+                    self._swap_in.extend(zip(host, kv.block_tables[request.request_id]))
+                    self._host_blocks_read.extend(host)  # freed once the copy is handed out, not before
+                    self.num_swapped_in_blocks += len(host)
+                    request.swapped_blocks = None
                 scheduled[request] = num_new
                 budget -= num_new
                 self.num_prefix_query_tokens += request.num_tokens
@@ -309,14 +339,30 @@ class ContinuousScheduler(Scheduler):
         return True
 
     def _preempt(self, request: Request) -> None:
+        """Take the request's slot and blocks. Its KV is swapped to host blocks if that is allowed, fits,
+        and (``preemption_mode="auto"``) costs less time than recomputing it; else it is recomputed."""
         self.running.remove(request)
-        self.kv.free(request.request_id)
         self.num_preemptions += 1
-        self.num_recomputed_tokens += request.num_computed_tokens
         request.metrics.num_preemptions += 1
-        request.num_computed_tokens = 0
+        # only the blocks holding computed KV are worth copying
+        table = self.kv.block_tables.get(request.request_id, [])[:self.kv.num_blocks_for(request.num_computed_tokens)]
+        if self._should_swap(request, len(table)):
+            host = self.swap_pool.allocate(len(table))
+            self._swap_out.extend(zip(table, host))
+            self.num_swapped_out_blocks += len(table)
+            request.swapped_blocks = host
+        else:
+            self.num_recomputed_tokens += request.num_computed_tokens
+            request.num_computed_tokens = 0
+        self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         self._requeue(request)
+
+    def _should_swap(self, request: Request, num_blocks: int) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.swap_pool is None or not num_blocks or num_blocks > self.swap_pool.num_free:
+            return False
+        return mode == "swap" or self.swap_seconds(num_blocks) < self.recompute_seconds(request.num_computed_tokens)
 
     def _requeue(self, request: Request) -> None:
         """Back into the queue at its arrival position, so the fcfs queue stays in arrival order."""

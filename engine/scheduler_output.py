@@ -23,6 +23,10 @@ class SchedulerOutput:
     block_tables: list[list[int]] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
     padding: list[bool] = field(default_factory=list)
+    # KV copies the runner makes before the forward, outs first: (device block, host block) pairs leaving
+    # the device for preempted requests, then (host block, device block) pairs of resumed ones.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

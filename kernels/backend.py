@@ -36,6 +36,7 @@ class AttentionBackend:
 
     name = "base"
     block_size_multiple = 1  # the engine rounds its block_size up to a multiple of this
+    block_dim = 0  # which dimension of ``kv_cache_shape`` indexes blocks (for copying blocks in and out)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The layout of one layer's K (or V) cache; each backend picks what its kernels read fastest."""

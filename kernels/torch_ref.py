@@ -56,6 +56,7 @@ class TorchAttentionMetadata:
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
+    block_dim = 1  # head-major layout, see the module docstring
 
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         device = layout.slot_mapping.device

@@ -117,11 +117,12 @@ STOP_TOKEN = 5
 
 
 def drive_scheduler(batching: str, seed: int, num_kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    num_requests: int, **config):
+                    num_requests: int, swap_blocks: int = 0, **config):
     rng = random.Random(seed)
     block_size = 4
     scheduler = make_scheduler(num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, batching=batching, **config)
+    scheduler.set_swap_space(swap_blocks)
     capacity = num_kv_blocks * block_size
     all_requests = []
     to_stop: set[str] = set()
@@ -178,6 +179,8 @@ def drive_scheduler(batching: str, seed: int, num_kv_blocks: int, max_num_seqs: 
 
     assert all(r.is_finished for r in all_requests)
     assert scheduler.kv.pool.num_used == 0 and not scheduler.kv.block_tables
+    if scheduler.swap_pool is not None:  # every host block came back
+        assert scheduler.swap_pool.num_free == scheduler.swap_pool.num_blocks
     for r in all_requests:
         assert r.finish_reason in ("stop", "length", "abort")
         if r.finish_reason == "length":
@@ -209,17 +212,27 @@ def test_static_scheduler_random_traffic(seed, num_kv_blocks, max_num_seqs, max_
 @given(seed=st.integers(0, 2**32 - 1), num_kv_blocks=st.integers(8, 40), max_num_seqs=st.integers(1, 6),
        max_num_batched_tokens=st.integers(6, 40), num_requests=st.integers(1, 12),
        policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["max_utilization", "guaranteed_no_evict"]),
-       max_queue_wait_s=st.sampled_from([None, 1e-9, 30.0]))
+       max_queue_wait_s=st.sampled_from([None, 1e-9, 30.0]), preemption=st.sampled_from(["recompute", "swap", "auto"]),
+       swap_blocks=st.integers(0, 12))
 def test_policies_and_admission_modes_keep_the_books(seed, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                                                    num_requests, policy, mode, max_queue_wait_s):
+                                                    num_requests, policy, mode, max_queue_wait_s, preemption,
+                                                    swap_blocks):
     """Random traffic under every policy, admission mode and aging setting (1e-9 s: everyone is aged at
     once): every request finishes, block accounting is exact after every step, and guaranteed_no_evict
     never preempts."""
     scheduler, _ = drive_scheduler("continuous", seed, num_kv_blocks, max_num_seqs,
-                                   max(max_num_seqs, max_num_batched_tokens), num_requests,
-                                   scheduling_policy=policy, admission_mode=mode, max_queue_wait_s=max_queue_wait_s)
+                                   max(max_num_seqs, max_num_batched_tokens), num_requests, swap_blocks=swap_blocks,
+                                   scheduling_policy=policy, admission_mode=mode, max_queue_wait_s=max_queue_wait_s,
+                                   preemption_mode=preemption, swap_space_bytes=swap_blocks + 1)  # bytes: any > 0
     if mode == "guaranteed_no_evict":
         assert scheduler.num_preemptions == 0
+
+
+def test_random_traffic_covers_swapping():
+    """The swap path is reached too: KV goes out to host blocks and comes back."""
+    scheduler, _ = drive_scheduler("continuous", seed=5, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=12,
+                                   num_requests=12, swap_blocks=30, preemption_mode="swap", swap_space_bytes=1)
+    assert scheduler.num_swapped_out_blocks > 0 and scheduler.num_swapped_in_blocks > 0
 
 
 def test_random_traffic_covers_preemption_and_aborts():

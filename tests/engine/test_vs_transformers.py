@@ -45,6 +45,25 @@ def test_greedy_matches_transformers_under_pressure(checkpoint, arch):
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+def test_preempted_kv_swapped_or_recomputed_gives_transformers_tokens(checkpoint, mode):
+    """Preemption either copies the victim's KV to host memory and back, or recomputes it: the same tokens."""
+    path = checkpoint("llama")
+    prompts, params = workload(seed=2)
+    engine = make_engine(path, preemption_mode=mode, swap_space_bytes=1 << 22, enable_prefix_caching=False,
+                         **PRESSURE)
+    got = generate_ids(engine, prompts, params)
+    stats = engine.stats()
+    assert engine.scheduler.num_preemptions > 0
+    if mode == "swap":
+        assert stats["num_swapped_out_bytes"] > 0 and stats["num_swapped_in_bytes"] == stats["num_swapped_out_bytes"]
+        assert stats["num_recomputed_tokens"] == 0
+    if mode == "recompute":
+        assert stats["num_swapped_out_bytes"] == 0 and stats["num_recomputed_tokens"] > 0
+    assert_matches_hf(path, prompts, params, got)
+    assert stats["kv_blocks_used"] == 0 and engine.scheduler.swap_pool.num_free == engine.scheduler.swap_pool.num_blocks
+
+
 def test_greedy_matches_transformers_static_batching(checkpoint):
     path = checkpoint("llama")
     prompts, params = workload(seed=1)
