@@ -48,8 +48,11 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
     if engine_cls is not None:
         replica_kwargs["engine_cls"] = engine_cls
     replicas = serve.deployment(LLMReplica).options(**replica_options).bind(**replica_kwargs)
+    router_actor_options: dict[str, Any] = {"num_cpus": config.router_num_cpus}
+    if config.router_resources:
+        router_actor_options["resources"] = dict(config.router_resources)
     router = serve.deployment(Router).options(
         num_replicas=config.router_replicas, max_ongoing_requests=config.max_pending_requests * 4,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=router_actor_options,
     )
     return router.bind(replicas, config.router_config())

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.config import EngineConfig
+from serve_app.autoscaling import POLICY_PATH, LLMLoadPolicy
 
 
 class RouterConfig(BaseModel):
@@ -27,6 +28,7 @@ class AppConfig(BaseModel):
     served_model_name: str | None = None
     engine_args: dict[str, Any] = Field(default_factory=dict)
     num_replicas: int | Literal["auto"] = 1
+    # Serve's AutoscalingConfig; `policy` defaults to serve_app.autoscaling's engine-load policy.
     autoscaling_config: dict[str, Any] | None = None
     num_gpus_per_replica: float = Field(default=0.0, ge=0)
     num_cpus_per_replica: float = Field(default=1.0, ge=0)
@@ -40,6 +42,8 @@ class AppConfig(BaseModel):
     routing_policy: Literal["least_loaded", "power_of_two", "round_robin", "prefix_affinity"] = "least_loaded"
     routing_stats_period_s: float = Field(default=0.5, gt=0)
     router_replicas: int = Field(default=1, ge=1)
+    router_num_cpus: float = Field(default=0.0, ge=0)  # 0: routers may share any node, even a num-cpus "0" head
+    router_resources: dict[str, float] = Field(default_factory=dict)  # custom resources routers require (pinning)
 
     @field_validator("engine_args")
     @classmethod
@@ -49,6 +53,11 @@ class AppConfig(BaseModel):
             raise ValueError("set the model with the top-level `model`, not inside engine_args")
         return value
 
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _autoscaling_config_valid(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else with_llm_policy(value)
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
@@ -56,3 +65,32 @@ class AppConfig(BaseModel):
     def router_config(self) -> RouterConfig:
         return RouterConfig(served_model_name=self.model_name, max_pending_requests=self.max_pending_requests,
                             default_timeout_s=self.default_timeout_s, max_attempts=self.max_attempts)
+
+
+def with_llm_policy(autoscaling_config: dict[str, Any]) -> dict[str, Any]:
+    """``autoscaling_config`` with the engine-load policy filled in, checked as Serve will check it at deploy time.
+
+    Serve's ``target_ongoing_requests`` is the default policy's knob; with the engine-load policy it would
+    be silently ignored, so it is refused (the policy's own knob is ``policy_kwargs.target_load``), and so
+    are keys Serve does not know (it would ignore them too).
+    """
+    from ray.serve.config import AutoscalingConfig  # Ray only where autoscaling is asked for
+
+    config = dict(autoscaling_config)
+    unknown = sorted(set(config) - set(AutoscalingConfig.model_fields))
+    if unknown:  # Serve ignores unknown keys: a misspelt delay would silently keep its default
+        raise ValueError(f"autoscaling_config has unknown keys {unknown}; Serve's are "
+                         f"{sorted(k for k in AutoscalingConfig.model_fields if not k.startswith('_'))}")
+    policy = dict(config.get("policy") or {"policy_function": POLICY_PATH})
+    config["policy"] = policy
+    if policy.get("policy_function") == POLICY_PATH:
+        if "target_ongoing_requests" in config:
+            raise ValueError("autoscaling_config.target_ongoing_requests is ignored by the engine-load policy "
+                             f"({POLICY_PATH}); set autoscaling_config.policy.policy_kwargs.target_load (0-1] "
+                             "instead, or name Serve's policy in autoscaling_config.policy.policy_function")
+        try:  # a bad kwarg fails here, not later in Serve's controller
+            LLMLoadPolicy(**policy.get("policy_kwargs", {}))
+        except TypeError as e:
+            raise ValueError(f"autoscaling_config.policy.policy_kwargs: {e}") from None
+    AutoscalingConfig.model_validate(config)
+    return config
