@@ -4,10 +4,12 @@ A request's path: parse and validate (400 with OpenAI's error body), check the m
 admission slot or answer 429 with Retry-After, then open a stream to a replica through the handle
 (the request router picks which). The replica's first message says the request is queued (or why
 not); after that the router relays chunks as SSE or gathers them into one JSON body. A replica
-that dies before any token reached the client is retried elsewhere, a bounded number of times;
-one that dies mid-stream ends the stream with an error event. The deadline (``timeout``, or the
-configured default) covers queueing, prefill and decode: the engine ends the request when it
-passes, and the router cancels the replica call if even that does not come back in time.
+that dies before any token reached the client is retried elsewhere, a bounded number of times (a
+non-streaming request has sent the client nothing until it ends, so it is restarted even
+mid-generation); one that dies mid-stream ends the stream with an error event (code
+``replica_lost``). The deadline (``timeout``, or the configured default) covers queueing, prefill
+and decode: the engine ends the request when it passes, and the router cancels the replica call if
+even that does not come back in time.
 """
 
 # No `from __future__ import annotations`: FastAPI must see real types on the ingress methods.
@@ -47,6 +49,13 @@ api = FastAPI(title="inflight", docs_url="/docs")
 
 class ReplicaLost(Exception):
     """The replica serving a request went away after tokens were sent: the stream cannot be resumed."""
+
+
+def _lost_reason(error: BaseException) -> str:
+    """What a client is told about a lost replica: the kind of failure, not Ray's repr (RPC codes, raw ids)."""
+    if isinstance(error, ActorUnavailableError):
+        return "its replica became unreachable (its process or node went away)"
+    return "its replica died (its process or node went away)"
 
 
 async def _prepend(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
@@ -242,14 +251,15 @@ class Router:
             if "error" in first:
                 raise APIError.from_dict(first["error"])
             return gen, first
-        raise ServiceUnavailableError(f"no replica could take the request after {self.config.max_attempts} attempts: "
-                                      f"{last_error!r}")
+        reason = _lost_reason(last_error) if last_error is not None else "no replica answered"
+        raise ServiceUnavailableError(f"no replica could take the request in {self.config.max_attempts} attempts; "
+                                      f"the last one failed because {reason}", code="replica_lost")
 
     async def _chunks(self, payload: dict[str, Any], deadline: float) -> AsyncIterator[dict[str, Any]]:
         """The replica's messages for one prompt, retrying on another replica while nothing was relayed."""
         gen, first = await self._open(payload, deadline)
         yield first
-        relayed_tokens = any(c["num_tokens"] for c in first["choices"])
+        relayed_tokens = sum(c["num_tokens"] for c in first["choices"])
         attempt = 0
         try:
             while True:
@@ -259,8 +269,11 @@ class Router:
                 except StopAsyncIteration:
                     return
                 except REPLICA_GONE as e:
+                    logger.warning("replica lost during request %s after %d tokens: %r", payload["request_id"],
+                                   relayed_tokens, e)
                     if relayed_tokens or attempt + 1 >= self.config.max_attempts:
-                        raise ReplicaLost(f"the replica serving this request was lost: {e!r}") from None
+                        raise ReplicaLost(f"the response was cut off after {relayed_tokens} tokens because "
+                                          f"{_lost_reason(e)}; send the request again") from None
                     attempt += 1
                     gen, chunk = await self._open(payload, deadline, attempt_base=attempt)  # its first tokens too
                 except asyncio.TimeoutError:
@@ -271,7 +284,7 @@ class Router:
                 except Exception as e:
                     logger.exception("replica failed during request %s", payload["request_id"])
                     raise ServerError(f"replica failed: {type(e).__name__}") from None
-                relayed_tokens = relayed_tokens or any(c["num_tokens"] for c in chunk["choices"])
+                relayed_tokens += sum(c["num_tokens"] for c in chunk["choices"])
                 yield chunk
         finally:
             gen.cancel()  # a no-op when finished; aborts the engine request when we leave early
@@ -301,16 +314,23 @@ class Router:
         return R.completion_response(request_id, self.model_name, choices, prompt_tokens, body.logprobs is not None)
 
     async def _collect(self, payload: dict[str, Any], n: int, deadline: float) -> tuple[list[R.ChoiceState], int]:
-        states = [R.ChoiceState(i) for i in range(n)]
-        prompt_tokens = 0
-        try:
-            async for chunk in self._chunks(payload, deadline):
-                if chunk.get("started"):
-                    prompt_tokens = chunk["prompt_tokens"]
-                for choice in chunk["choices"]:
-                    states[choice["index"]].add(choice)
-        except ReplicaLost as e:
-            raise ServiceUnavailableError(str(e)) from None
+        """One prompt's whole response. The client sees nothing before it is complete, so a replica lost
+        mid-generation costs a restart on another replica rather than an error (bounded by ``max_attempts``)."""
+        for restart in range(self.config.max_attempts):
+            attempt = payload if not restart else {**payload, "request_id": f"{payload['request_id']}-restart{restart}"}
+            states = [R.ChoiceState(i) for i in range(n)]
+            prompt_tokens = 0
+            try:
+                async for chunk in self._chunks(attempt, deadline):
+                    if chunk.get("started"):
+                        prompt_tokens = chunk["prompt_tokens"]
+                    for choice in chunk["choices"]:
+                        states[choice["index"]].add(choice)
+                break
+            except ReplicaLost as e:
+                if restart + 1 >= self.config.max_attempts:
+                    raise ServiceUnavailableError(str(e), code="replica_lost") from None
+                logger.warning("restarting request %s on another replica: %s", payload["request_id"], e)
         if any(s.finish_reason == "timeout" for s in states):
             raise RequestTimeoutError("request timed out (queueing, prefill and decode)", code="timeout")
         if any(s.finish_reason == "abort" for s in states):
@@ -358,7 +378,7 @@ class Router:
                 obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
                 yield R.sse(R.usage_chunk(request_id, model, created, obj, prompt_tokens, completion_tokens))
         except (APIError, ReplicaLost) as e:
-            error = e if isinstance(e, APIError) else ServiceUnavailableError(str(e))
+            error = e if isinstance(e, APIError) else ServiceUnavailableError(str(e), code="replica_lost")
             yield R.sse(error.body())
         finally:
             await chunks.aclose()
