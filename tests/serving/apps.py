@@ -25,8 +25,12 @@ DEMO_APP_ARGS: dict[str, Any] = {
 }
 
 
-def deploy_app(args: dict[str, Any], name: str, route_prefix: str, timeout: float = DEPLOY_TIMEOUT_S) -> str:
-    """Deploy ``make_app(AppConfig(**args))`` under ``name`` at ``route_prefix``; return its base URL once it answers."""
+def deploy_app(args: dict[str, Any], name: str, route_prefix: str, timeout: float = DEPLOY_TIMEOUT_S,
+               http_base: str = BASE_URL) -> str:
+    """Deploy ``make_app(AppConfig(**args))`` under ``name`` at ``route_prefix``; return its base URL once it answers.
+
+    ``http_base``: where Serve's proxy listens (the multi-node tests use a port of their own).
+    """
     from ray import serve
 
     from serve_app.app import make_app
@@ -46,7 +50,7 @@ def deploy_app(args: dict[str, Any], name: str, route_prefix: str, timeout: floa
         if time.monotonic() > deadline:
             raise RuntimeError(f"app {name!r} not RUNNING after {timeout}s: {status}")
         time.sleep(0.5)
-    base_url = BASE_URL + route_prefix.rstrip("/")
+    base_url = http_base + route_prefix.rstrip("/")
     while True:  # the proxy learns the new route a moment after the app is RUNNING
         try:
             if httpx.get(base_url + "/v1/models", timeout=5.0).status_code == 200:
