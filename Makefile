@@ -9,7 +9,7 @@ TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install run test demo clean
+.PHONY: install run test demo clean k8s-config
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests -q
+
+# k8s/rayservice.yaml's serveConfigV2 from configs/gpu-llama.yaml (tests/k8s/ fails while they differ).
+k8s-config: install
+	$(PY) k8s/sync_serve_config.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
