@@ -34,8 +34,8 @@ NUM_CLIENTS = 12
 
 @pytest.fixture(scope="module")
 def app(cluster) -> str:
-    base = deploy_app({**REPLICA_ARGS, "autoscaling_config": AUTOSCALING, "default_timeout_s": 300}, name=APP_NAME,
-                      route_prefix="/", http_base=HTTP_BASE)
+    base = deploy_app({**REPLICA_ARGS, "autoscaling_config": AUTOSCALING}, name=APP_NAME, route_prefix="/",
+                      http_base=HTTP_BASE)
     wait_idle(base, timeout=30, num_replicas=1)
     return base
 
