@@ -81,7 +81,8 @@ def with_llm_policy(autoscaling_config: dict[str, Any]) -> dict[str, Any]:
     if unknown:  # Serve ignores unknown keys: a misspelt delay would silently keep its default
         raise ValueError(f"autoscaling_config has unknown keys {unknown}; Serve's are "
                          f"{sorted(k for k in AutoscalingConfig.model_fields if not k.startswith('_'))}")
-    policy = dict(config.get("policy") or {"policy_function": POLICY_PATH})
+    policy = dict(config.get("policy") or {})
+    policy.setdefault("policy_function", POLICY_PATH)  # kwargs alone are the engine-load policy's
     config["policy"] = policy
     if policy.get("policy_function") == POLICY_PATH:
         if "target_ongoing_requests" in config:

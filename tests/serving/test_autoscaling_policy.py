@@ -74,6 +74,8 @@ def test_app_config_fills_in_the_engine_load_policy():
     assert config.autoscaling_config["policy"] == {"policy_function": POLICY_PATH}
     parsed = AutoscalingConfig.model_validate(config.autoscaling_config)
     assert parsed.policy.policy_function == POLICY_PATH and not parsed.policy.is_default_policy_function()
+    config = AppConfig(autoscaling_config={"max_replicas": 3, "policy": {"policy_kwargs": {"target_load": 0.6}}})
+    assert config.autoscaling_config["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": {"target_load": 0.6}}
     # Serve's own policy stays available by name, with its own knob.
     serve_default = {"policy_function": "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy"}
     config = AppConfig(autoscaling_config={"max_replicas": 3, "target_ongoing_requests": 64, "policy": serve_default})
