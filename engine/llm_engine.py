@@ -47,6 +47,8 @@ class LLMEngine:
         self.predictor = (TTFTPredictor(self.config.max_num_batched_tokens, self.config.max_num_seqs)
                           if self.config.batching == "continuous" else None)
         self._set_preemption_costs()
+        self._sum_output_lengths = 0  # of finished requests, for the predictor's estimate of remaining work
+        self._num_output_lengths = 0
         self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._sequence_ids = itertools.count()
         self.num_steps = 0
@@ -132,13 +134,23 @@ class LLMEngine:
             self.scheduler.add(request)
         self._children[parent] = requests
 
+    def _expected_remaining(self, request: Request) -> int:
+        """Output tokens a running request will still produce: its max_tokens bound, or, once requests have
+        finished, no more than twice the mean output length seen (a request without max_tokens may run to
+        max_model_len, but few do, and assuming it would refuse requests that would have made it)."""
+        bound = request.max_total_tokens - request.num_tokens
+        if self._num_output_lengths < 5:
+            return bound
+        typical = 2 * self._sum_output_lengths / self._num_output_lengths
+        return max(1, min(bound, int(typical) - request.num_output_tokens))
+
     def _check_deadline(self, requests: list[Request]) -> None:
         """Predict the first token's time; refuse at once if it is past the deadline (see ttft_predictor)."""
         if self.predictor is None or not self.predictor.ready:
             return
         first, now = requests[0], time.time()
         num_ahead, tokens_ahead = self.scheduler.work_ahead_of(first, now)
-        remaining = [r.max_total_tokens - r.num_tokens for r in self.scheduler.running]
+        remaining = [self._expected_remaining(r) for r in self.scheduler.running]
         # n siblings are admitted one after another: the last one's first token is the request's
         predicted = self.predictor.predict(first.num_tokens * len(requests), tokens_ahead, num_ahead + len(requests) - 1,
                                            remaining)
@@ -221,7 +233,10 @@ class LLMEngine:
         for parent in touched:
             output = make_output(children_of[parent])
             if output.finished:
-                del children_of[parent]
+                for child in children_of.pop(parent):
+                    if child.finish_reason in ("stop", "length"):
+                        self._sum_output_lengths += child.num_output_tokens
+                        self._num_output_lengths += 1
                 self.num_finished_requests += 1
             outputs.append(output)
         if record is not None:

@@ -221,13 +221,14 @@ class Scheduler:
         return len(ahead), sum(r.num_tokens - r.num_computed_tokens for r in ahead)
 
     def rank(self, request: Request, now: float) -> tuple[bool, int, int]:
-        """Who is served first (smallest) and preempted first (largest): a request that has waited
-        ``max_queue_wait_s`` since it arrived, then (policy ``priority``) the lower priority value,
-        then the earlier arrival."""
+        """Who is served first (smallest) and preempted first (largest): requests that have waited
+        ``max_queue_wait_s`` since they arrived, oldest first whatever their priority (else under overload,
+        when everyone has aged, priority would starve the same requests again); then (policy
+        ``priority``) the lower priority value; then the earlier arrival."""
         max_wait = self.config.max_queue_wait_s
-        aged = max_wait is not None and now - request.metrics.arrival_time >= max_wait
-        return (not aged, request.priority if self.config.scheduling_policy == "priority" else 0,
-                request.arrival_order)
+        if max_wait is not None and now - request.metrics.arrival_time >= max_wait:
+            return (False, 0, request.arrival_order)
+        return (True, request.priority if self.config.scheduling_policy == "priority" else 0, request.arrival_order)
 
     def kv_stats(self) -> KVCacheStats:
         return self.kv.stats(self.num_tokens_in_cache())

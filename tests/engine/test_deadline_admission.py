@@ -93,3 +93,18 @@ def test_async_engine_refuses_through_the_stream():
             await engine.shutdown()
 
     asyncio.run(body())
+
+
+def test_remaining_work_of_requests_without_max_tokens_is_estimated_from_finished_ones():
+    """A request with no max_tokens may run to max_model_len, but predicting that would refuse good requests:
+    once a few have finished, at most twice their mean output length is assumed."""
+    engine = make_engine(max_num_seqs=2, num_kv_blocks=512)
+    for i, prompt in enumerate(random_prompts(6, 5, 10, seed=4)):
+        engine.add_request(f"short{i}", prompt, greedy(6))
+    run_engine(engine)
+    engine.add_request("open-ended", random_prompts(1, 5, 5, seed=5)[0], SamplingParams(max_tokens=None,
+                                                                                        temperature=0.0, ignore_eos=True))
+    engine.step()
+    (request,) = engine.scheduler.running
+    assert request.max_total_tokens - request.num_tokens > 500  # its own bound: max_model_len
+    assert engine._expected_remaining(request) == 2 * 6 - request.num_output_tokens

@@ -52,11 +52,15 @@ def _make_traffic(base: str) -> dict[str, int]:
     async def run():
         limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
         async with httpx.AsyncClient(base_url=base, timeout=60.0, limits=limits) as client:
+            # First, alone (so deadline admission predicts a quick first token and takes it), a request whose
+            # deadline passes while it generates: a 504.
+            timeout = asyncio.ensure_future(client.post("/v1/completions", json=completion_body(
+                max_tokens=1900, ignore_eos=True, timeout=1.0)))
+            await asyncio.sleep(0.3)
             # Three requests that each grow to ~1500 tokens: 3 x 94 blocks > the 256-block pool -> preemption.
-            squeeze = [client.post("/v1/completions", json=completion_body("a" * 1200, max_tokens=300,
-                                                                           ignore_eos=True)) for _ in range(3)]
-            timeout = client.post("/v1/completions", json=completion_body(max_tokens=1900, ignore_eos=True,
-                                                                          timeout=0.3))
+            # Their prompts differ from the first character, so prefix caching cannot share their blocks.
+            squeeze = [client.post("/v1/completions", json=completion_body(f"{i}" + "a" * 1200, max_tokens=300,
+                                                                           ignore_eos=True)) for i in range(3)]
             *squeezed, timed_out = await gather_bounded(squeeze + [timeout], timeout=60)
             assert [r.status_code for r in squeezed] == [200] * 3, [r.text[:200] for r in squeezed]
             assert timed_out.status_code == 504, timed_out.text
