@@ -33,7 +33,7 @@ class Request:
         "all_token_ids", "params", "priority", "arrival_order", "num_computed_tokens", "status",
         "finish_reason", "stop_reason", "metrics", "deadline", "generator", "max_total_tokens",
         "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
-        "cumulative_logprob", "static_padding", "swapped_blocks",
+        "cumulative_logprob", "static_padding", "swapped_blocks", "aged",
     )
 
     def __init__(
@@ -83,6 +83,7 @@ class Request:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.static_padding = False  # static mode: finished, but still holds its slot until the batch ends
         self.swapped_blocks: list[int] | None = None  # preempted by swapping: its KV's host blocks, in order
+        self.aged = False  # waited max_queue_wait_s before its first admission: served first from then on
 
     @property
     def num_tokens(self) -> int:

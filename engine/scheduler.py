@@ -221,14 +221,22 @@ class Scheduler:
         return len(ahead), sum(r.num_tokens - r.num_computed_tokens for r in ahead)
 
     def rank(self, request: Request, now: float) -> tuple[bool, int, int]:
-        """Who is served first (smallest) and preempted first (largest): requests that have waited
-        ``max_queue_wait_s`` since they arrived, oldest first whatever their priority (else under overload,
-        when everyone has aged, priority would starve the same requests again); then (policy
-        ``priority``) the lower priority value; then the earlier arrival."""
-        max_wait = self.config.max_queue_wait_s
-        if max_wait is not None and now - request.metrics.arrival_time >= max_wait:
-            return (False, 0, request.arrival_order)
-        return (True, request.priority if self.config.scheduling_policy == "priority" else 0, request.arrival_order)
+        """Who is served first (smallest) and preempted first (largest).
+
+        First, aged requests, oldest first whatever their priority: a request is aged once it has waited
+        ``max_queue_wait_s`` since arrival without ever being scheduled, and it stays aged until it ends
+        (so, once in, it is not preempted by the urgent work it jumped). Requests preempted after their
+        first admission do not age again: their age would let them preempt in turn, a cascade that costs
+        recomputation and makes everyone wait. Then (policy ``priority``) the lower priority value; then
+        the earlier arrival."""
+        if not request.aged:
+            max_wait = self.config.max_queue_wait_s
+            if (max_wait is None or request.metrics.first_scheduled_time is not None
+                    or now - request.metrics.arrival_time < max_wait):
+                return (True, request.priority if self.config.scheduling_policy == "priority" else 0,
+                        request.arrival_order)
+            request.aged = True
+        return (False, 0, request.arrival_order)
 
     def kv_stats(self) -> KVCacheStats:
         return self.kv.stats(self.num_tokens_in_cache())

@@ -115,3 +115,32 @@ def test_guaranteed_no_evict_never_preempts_where_max_utilization_does():
 def test_bad_policy_arguments_are_named(name, value):
     with pytest.raises(ValueError, match=name):
         make_engine(**{name: value})
+
+
+def test_an_aged_request_once_admitted_is_not_preempted_by_urgent_work():
+    scheduler = make_scheduler(scheduling_policy="priority", max_queue_wait_s=5.0, max_num_seqs=1)
+    old = make_request("old", 4, max_tokens=20, arrival_time=time.time() - 10)  # waited 10 s already: aged
+    old.priority = 9
+    scheduler.add(old)
+    fake_step(scheduler)
+    assert old in scheduler.running and old.aged
+    for i in range(3):
+        scheduler.add(make_request(f"urgent{i}", 4, max_tokens=2))  # priority 0, fresh
+        out, _ = fake_step(scheduler)
+        assert out.request_ids == ["old"]
+    assert scheduler.num_preemptions == 0
+
+
+def test_a_request_preempted_after_admission_does_not_age_into_preempting_others():
+    """Its first admission ended its wait: aging it again would let it preempt in turn (a cascade)."""
+    scheduler = make_scheduler(scheduling_policy="priority", max_queue_wait_s=5.0, max_num_seqs=1)
+    victim = make_request("victim", 4, max_tokens=20, arrival_time=time.time() - 4)  # not aged yet
+    victim.priority = 5
+    scheduler.add(victim)
+    fake_step(scheduler)
+    scheduler.add(make_request("urgent", 4, max_tokens=30))  # priority 0 preempts the priority-5 victim
+    fake_step(scheduler)
+    assert victim in scheduler.waiting and scheduler.num_preemptions == 1
+    victim.metrics.arrival_time -= 60  # long past the bound now, but it was admitted once
+    out, _ = fake_step(scheduler)
+    assert out.request_ids == ["urgent"] and not victim.aged and scheduler.num_preemptions == 1
