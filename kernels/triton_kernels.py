@@ -46,6 +46,32 @@ def store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 @triton.jit
+def _load_paged_kv(k_cache_ptr, v_cache_ptr, table, pos, in_row, kv_head, dims, dim_mask, block_size,
+                   stride_cb, stride_ch, stride_cs):
+    """K and V [len(pos), DIM_PAD] of one kv head at positions ``pos`` of a row, through its block table;
+    positions outside ``in_row`` load as zeros."""
+    block = tl.load(table + pos // block_size, mask=in_row, other=0).to(tl.int64)
+    slot = block * stride_cb + kv_head * stride_ch + (pos % block_size) * stride_cs
+    kv_mask = in_row[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, visible, m, lsum, acc, qk_scale, PRECISION: tl.constexpr):
+    """Fold one tile of keys into the running max ``m``, sum ``lsum`` and output ``acc`` (flash attention)."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, lsum, acc
+
+
+@triton.jit
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, token_index_ptr,
                             out_ptr, partial_out_ptr, partial_lse_ptr,
                             stride_qt, stride_qh, stride_ot, stride_oh,
@@ -83,19 +109,9 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, s
         for key_start in range(start, end, BLOCK_N):
             pos = key_start + tl.arange(0, BLOCK_N)
             visible = pos < end
-            block = tl.load(table + pos // block_size, mask=visible, other=0).to(tl.int64)
-            slot = block * stride_cb + kv_head * stride_ch + (pos % block_size) * stride_cs
-            kv_mask = visible[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
-            scores = tl.where(visible[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table, pos, visible, kv_head, dims, dim_mask, block_size,
+                                  stride_cb, stride_ch, stride_cs)
+            m, lsum, acc = _online_softmax_step(q, k, v, visible[None, :], m, lsum, acc, qk_scale, PRECISION)
         out = acc / lsum[:, None]
         out_mask = head_mask[:, None] & dim_mask[None, :]
         if ONE_SPLIT:
@@ -169,21 +185,11 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
         for key_start in range(0, key_end, BLOCK_N):
             pos = key_start + tl.arange(0, BLOCK_N)
             in_row = pos < key_end
-            block = tl.load(table + pos // block_size, mask=in_row, other=0).to(tl.int64)
-            slot = block * stride_cb + kv_head * stride_ch + (pos % block_size) * stride_cs
-            kv_mask = in_row[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table, pos, in_row, kv_head, dims, dim_mask, block_size,
+                                  stride_cb, stride_ch, stride_cs)
             # Query rows past query_len see key 0 too, so no row is all -inf (they are never stored).
             visible = in_row[None, :] & (pos[None, :] <= q_positions[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, lsum, acc = _online_softmax_step(q, k, v, visible, m, lsum, acc, qk_scale, PRECISION)
         out = acc / lsum[:, None]
         tl.store(out_ptr + (first_token + offs_m[:, None]) * stride_ot + head * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=query_mask[:, None] & dim_mask[None, :])
