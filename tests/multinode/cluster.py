@@ -13,10 +13,11 @@ the current cluster) is put back afterwards.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
+
+from tests.serving.helpers import port_free
 
 HOST = "127.0.0.1"
 HTTP_PORT = 8123
@@ -49,16 +50,6 @@ REPLICA_ARGS: dict[str, Any] = {
     # and these tests load replicas on purpose; what they check is where requests go, not that refusal.
     "default_timeout_s": 300,
 }
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
 
 
 class LocalCluster:
@@ -96,7 +87,7 @@ def local_cluster(num_workers: int = 2) -> Iterator[LocalCluster]:
     from ray._common.utils import get_ray_address_file
     from ray.cluster_utils import Cluster
 
-    if not _port_free(HTTP_PORT):
+    if not port_free(HTTP_PORT):
         raise RuntimeError(f"port {HTTP_PORT} on {HOST} is taken; the multi-node tests need it")
     address_file = get_ray_address_file(None)
     saved_address = open(address_file).read() if os.path.exists(address_file) else None

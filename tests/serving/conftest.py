@@ -15,13 +15,12 @@ import os
 
 os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray >= 2.59 turns token auth on for local clusters
 
-import socket
 
 import httpx
 import pytest
 
 from tests.serving.apps import DEMO_APP_ARGS, deploy_app
-from tests.serving.helpers import HOST, HTTP_PORT, METRICS_PORT, wait_idle
+from tests.serving.helpers import HOST, HTTP_PORT, METRICS_PORT, port_free, wait_idle
 
 DEFAULT_TEST_TIMEOUT_S = 60
 RAY_NUM_CPUS = 4  # logical CPUs: the demo replica takes 1, the 2-replica app 2 x 0.5; routers and proxy 0
@@ -34,23 +33,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(DEFAULT_TEST_TIMEOUT_S, func_only=True))
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
     from ray import serve
 
     for port in (HTTP_PORT, METRICS_PORT):
-        if not _port_free(port):
+        if not port_free(port):
             pytest.fail(f"port {port} on {HOST} is taken (another `serve run`/`ray start`?); the serving tests need it",
                         pytrace=False)
     # address="local": always a new cluster, never one found through RAY_ADDRESS or a running `ray start`.

@@ -6,6 +6,7 @@ Nothing here fakes the server: these only read what the real server sends.
 from __future__ import annotations
 
 import asyncio
+import socket
 import copy
 import functools
 import json
@@ -238,3 +239,14 @@ def metric_family(samples: dict[str, list[tuple[str, float]]], family: str) -> d
 async def gather_bounded(coros, timeout: float):
     """``asyncio.gather`` that fails (instead of hanging) after ``timeout`` seconds."""
     return await asyncio.wait_for(asyncio.gather(*coros), timeout=timeout)
+
+
+def port_free(port: int, host: str = HOST) -> bool:
+    """Whether nothing listens on ``host:port`` (a leftover `serve run` would make the tests talk to it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
