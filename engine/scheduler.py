@@ -302,10 +302,13 @@ class ContinuousScheduler(Scheduler):
     def _admit(self, scheduled: dict[Request, int], budget: int, now: float) -> None:
         config, kv = self.config, self.kv
         guaranteed = config.admission_mode == "guaranteed_no_evict"
-        by_priority = config.scheduling_policy == "priority"
+        # Without priorities or aging the queue's own (arrival) order is the rank order: no need to search it.
+        by_rank = config.scheduling_policy == "priority" or config.max_queue_wait_s is not None
+        preempted_now: set[Request] = set()
         while self.waiting and budget > 0:
-            # fcfs keeps the queue in arrival order, which is also rank order (the oldest is the most aged)
-            request = min(self.waiting, key=lambda r: self.rank(r, now)) if by_priority else self.waiting[0]
+            request = min(self.waiting, key=lambda r: self.rank(r, now)) if by_rank else self.waiting[0]
+            if request in preempted_now:
+                break  # it just made room for a better request that still does not fit: let blocks free up first
             hit = 0
             if request.num_computed_tokens == 0:
                 hit = kv.match_prefix(request.request_id, request.all_token_ids)
@@ -330,22 +333,24 @@ class ContinuousScheduler(Scheduler):
             if hit:  # not admitted: give the cached blocks back
                 kv.free(request.request_id)
                 request.num_computed_tokens = 0
-            if guaranteed or not self._make_room_for(request, scheduled, now):
+            victim = None if guaranteed else self._make_room_for(request, scheduled, now)
+            if victim is None:
                 break
+            preempted_now.add(victim)
             budget = config.max_num_batched_tokens - sum(scheduled.values())
 
-    def _make_room_for(self, request: Request, scheduled: dict[Request, int], now: float) -> bool:
+    def _make_room_for(self, request: Request, scheduled: dict[Request, int], now: float) -> Request | None:
         """Preempt the last-ranked running request if ``request`` outranks it by age or priority (not by
-        arrival alone: fcfs never preempts for newcomers). True if one was preempted."""
+        arrival alone: fcfs never preempts for newcomers). Returns the victim, if any."""
         if not self.running:
-            return False
+            return None
         victim = max(self.running, key=lambda r: self.rank(r, now))
         mine, theirs = self.rank(request, now), self.rank(victim, now)
         if mine[:2] >= theirs[:2]:
-            return False
+            return None
         scheduled.pop(victim, None)
         self._preempt(victim)
-        return True
+        return victim
 
     def _preempt(self, request: Request) -> None:
         """Take the request's slot and blocks. Its KV is swapped to host blocks if that is allowed, fits,

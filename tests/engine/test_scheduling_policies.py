@@ -144,3 +144,24 @@ def test_a_request_preempted_after_admission_does_not_age_into_preempting_others
     victim.metrics.arrival_time -= 60  # long past the bound now, but it was admitted once
     out, _ = fake_step(scheduler)
     assert out.request_ids == ["urgent"] and not victim.aged and scheduler.num_preemptions == 1
+
+
+@pytest.mark.timeout(20)
+def test_making_room_for_an_aged_request_that_still_does_not_fit_ends():
+    """An aged request preempts the last-ranked running one, still does not fit (the rest are protected),
+    and the victim, which would fit, must not be readmitted and preempted again in a loop."""
+    scheduler = make_scheduler(num_kv_blocks=10, block_size=4, max_num_seqs=4, max_queue_wait_s=30.0,
+                               max_num_batched_tokens=64, enable_prefix_caching=False)
+    old = make_request("old", 24, max_tokens=4, arrival_time=time.time() - 100)  # aged: 6 blocks
+    victim = make_request("victim", 4, max_tokens=30)  # 1 block, fresh
+    for request in (old, victim):
+        scheduler.add(request)
+    fake_step(scheduler)
+    assert {r.request_id for r in scheduler.running} == {"old", "victim"}
+    victim.metrics.arrival_time -= 200  # older than the next one, but it has been scheduled: never ages
+    waiting = make_request("aged", 20, max_tokens=4, arrival_time=time.time() - 40)  # 5 blocks > 3 free
+    scheduler.add(waiting)
+    out, _ = fake_step(scheduler)
+    assert out.request_ids == ["old"]
+    assert victim in scheduler.waiting and waiting in scheduler.waiting and scheduler.num_preemptions == 1
+    scheduler.kv.check_invariants()
