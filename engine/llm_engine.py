@@ -152,11 +152,13 @@ class LLMEngine:
         num_ahead, tokens_ahead = self.scheduler.work_ahead_of(first, now)
         remaining = [self._expected_remaining(r) for r in self.scheduler.running]
         # n siblings are admitted one after another: the last one's first token is the request's
+        typical = (int(self._sum_output_lengths / self._num_output_lengths) if self._num_output_lengths >= 5
+                   else None)
         predicted = self.predictor.predict(first.num_tokens * len(requests), tokens_ahead, num_ahead + len(requests) - 1,
-                                           remaining)
+                                           remaining, typical)
         for request in requests:
             request.metrics.predicted_ttft_s = predicted
-        if first.deadline is not None and now + predicted > first.deadline:
+        if first.deadline is not None and first.params.reject_unmeetable_deadline and now + predicted > first.deadline:
             allowed = first.deadline - now
             raise DeadlineUnmeetableError(
                 f"the deadline ({allowed:.3f} s from now) cannot be met: the predicted time to first token is "

@@ -27,6 +27,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
     skip_special_tokens: bool = True
     timeout_s: float | None = None  # deadline from arrival: queueing, prefill and decode
+    # Refuse at admission (DeadlineUnmeetableError) when the first token is predicted past the deadline.
+    # Servers turn it off for their own default timeout, a safety net rather than the client's need.
+    reject_unmeetable_deadline: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples so params stay hashable.
@@ -69,6 +72,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must hold non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20] or None")
+        if not isinstance(self.reject_unmeetable_deadline, bool):
+            raise bad("reject_unmeetable_deadline", "must be true or false")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise bad("timeout_s", "must be > 0 or None")
 

@@ -5,10 +5,10 @@ exponentially weighted least squares over the engine's own recent steps (so it f
 the model and the load without configuration). A new request's first token needs:
 
 1. a batch slot: if the slots are full once the requests ranked ahead of it are counted, it waits
-   for that many running requests to end, estimated from their remaining output lengths
-   (``max_tokens`` is an upper bound, so this leans pessimistic) at the current decode step time;
-2. its prompt, and the prompts ahead of it, pushed through the token budget left over by the
-   decodes, chunk by chunk.
+   for that many running requests to end, estimated from their remaining output lengths (the
+   engine caps open-ended ones at twice the typical output seen) at the current decode step time;
+2. the prompts ahead of it pushed through the token budget left over by the decodes, chunk by chunk
+   (this happens in the same steps as 1, so the longer of the two counts), then its own prompt.
 
 The engine uses it at admission: a request whose deadline is sooner than the prediction is refused
 at once (HTTP 429 with a ``Retry-After``) instead of timing out after occupying the queue.
@@ -51,21 +51,30 @@ class TTFTPredictor:
         return max(0.0, base) + max(0.0, per_token) * num_prefill_tokens + max(0.0, per_row) * num_decode_rows
 
     def predict(self, own_prompt_tokens: int, tokens_ahead: int, num_ahead: int,
-                running_remaining: list[int]) -> float:
+                running_remaining: list[int], typical_output: int | None = None) -> float:
         """Seconds until the first token of a request with ``own_prompt_tokens`` left to compute, behind
         ``num_ahead`` waiting requests holding ``tokens_ahead`` uncomputed tokens, while requests with
-        ``running_remaining`` output tokens left hold slots."""
-        num_running = len(running_remaining)
-        seconds = 0.0
-        must_end = num_ahead + 1 - (self.max_num_seqs - num_running)  # running requests that must end first
+        ``running_remaining`` output tokens left hold slots. ``typical_output``: how long a request that
+        has just been admitted keeps its slot (default: the longest running remainder).
+
+        The wait for a slot and the prefill of the prompts ahead happen in the same steps (chunks of
+        their prefill ride with the decodes), so the longer of the two counts, then the request's own
+        prefill."""
+        num_rows = min(len(running_remaining), self.max_num_seqs)
+        per_step = max(1, self.max_num_batched_tokens - num_rows)  # prefill tokens a step can take next to decodes
+        slot_wait = 0.0
+        must_end = num_ahead + 1 - (self.max_num_seqs - len(running_remaining))  # running requests that must end first
         if must_end > 0 and running_remaining:
             ordered = sorted(running_remaining)
-            rounds, index = divmod(must_end - 1, len(ordered))
-            steps = ordered[index] + rounds * ordered[-1]
-            seconds += steps * self.step_seconds(0, num_running)
-        rows = min(num_running, self.max_num_seqs)
-        per_step = max(1, self.max_num_batched_tokens - rows)  # prefill tokens a step can take next to decodes
-        tokens = tokens_ahead + own_prompt_tokens
+            rounds, index = divmod(must_end - 1, len(ordered))  # each round frees every slot once more
+            per_round = typical_output if typical_output is not None else ordered[-1]
+            slot_wait = (ordered[index] + rounds * per_round) * self.step_seconds(0, num_rows)
+        ahead = self._prefill_seconds(tokens_ahead, per_step, num_rows)
+        return max(slot_wait, ahead) + self._prefill_seconds(own_prompt_tokens, per_step, num_rows)
+
+    def _prefill_seconds(self, tokens: int, per_step: int, num_rows: int) -> float:
+        """``tokens`` of prompt pushed through steps of ``per_step`` prefill tokens next to ``num_rows`` decodes."""
+        if tokens <= 0:
+            return 0.0
         steps = -(-tokens // per_step)
-        seconds += steps * self.step_seconds(0, rows) + self.step_seconds(tokens, 0) - self.step_seconds(0, 0)
-        return seconds
+        return steps * self.step_seconds(0, num_rows) + self.step_seconds(tokens, 0) - self.step_seconds(0, 0)

@@ -66,7 +66,8 @@ class LLMReplica:
             return
         try:
             prompt = self._prompt(request)
-            params = SamplingParams(**request["params"], timeout_s=request.get("timeout_s"))
+            params = SamplingParams(**request["params"], timeout_s=request.get("timeout_s"),
+                                    reject_unmeetable_deadline=request.get("strict_deadline", True))
             stream = self.engine.submit(prompt, params, request_id=request["request_id"],
                                         priority=request.get("priority", 0))
         except ValueError as e:

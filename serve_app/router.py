@@ -214,17 +214,21 @@ class Router:
             params = body.sampling_kwargs(body.max_new_tokens(), logprobs)
             return [{"kind": "chat", "request_id": base_id, "messages": messages, "params": params,
                      "priority": body.priority, "prefix_key": prefix_key(messages),
+                     "client_timeout": body.timeout is not None,
                      "add_generation_prompt": body.add_generation_prompt}]
         params = body.sampling_kwargs(body.max_tokens, body.logprobs)
         return [{"kind": "completion", "request_id": base_id if i == 0 else f"{base_id}-{i}", "prompt": prompt,
-                 "params": params, "priority": body.priority, "prefix_key": prefix_key(prompt)}
+                 "params": params, "priority": body.priority, "prefix_key": prefix_key(prompt),
+                 "client_timeout": body.timeout is not None}
                 for i, prompt in enumerate(body.prompts())]
 
     async def _open(self, payload: dict[str, Any], deadline: float, attempt_base: int = 0):
         """Start the request on some replica; returns (response generator, first message)."""
         last_error: BaseException | None = None
         for attempt in range(attempt_base, self.config.max_attempts):
-            request = {**payload, "timeout_s": max(0.001, deadline - time.monotonic())}
+            request = {**payload, "timeout_s": max(0.001, deadline - time.monotonic()),
+                       # only a client's own timeout may be refused as unmeetable; the server default is a net
+                       "strict_deadline": payload.get("client_timeout", False)}
             if attempt:
                 request["request_id"] = f"{payload['request_id']}-retry{attempt}"
             gen = self.replicas.generate.remote(request)

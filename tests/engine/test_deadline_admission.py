@@ -26,14 +26,20 @@ def test_predictor_recovers_the_step_cost_model():
 
 def test_prediction_counts_prefill_chunks_and_waiting_for_a_slot():
     predictor = fitted()
+    step = lambda rows: 0.002 + rows * 5e-5  # noqa: E731  a step's time without prefill tokens
     # A free slot, nobody ahead: 100 prompt tokens through (64 - 2 decode rows) = 62 per step -> 2 steps.
     alone = predictor.predict(100, tokens_ahead=0, num_ahead=0, running_remaining=[5, 9])
-    assert alone == pytest.approx(2 * (0.002 + 2 * 5e-5) + 100 * 1e-4, rel=1e-6)
-    # All 4 slots busy (remaining 3, 7, 8, 20 tokens) and one request ahead: the 2nd to end (7 steps) frees ours.
+    assert alone == pytest.approx(2 * step(2) + 100 * 1e-4, rel=1e-6)
+    # All 4 slots busy (remaining 3, 7, 8, 20 tokens) and one request ahead: the 2nd to end (7 steps) frees
+    # ours. The 30 tokens ahead are prefilled during that wait (1 step, shorter), then our 100 (2 steps).
     busy = predictor.predict(100, tokens_ahead=30, num_ahead=1, running_remaining=[20, 3, 8, 7])
-    slot_wait = 7 * (0.002 + 4 * 5e-5)
-    prefill = 3 * (0.002 + 4 * 5e-5) + 130 * 1e-4  # 130 tokens at 60 per step -> 3 steps
-    assert busy == pytest.approx(slot_wait + prefill, rel=1e-6)
+    assert busy == pytest.approx(7 * step(4) + 2 * step(4) + 100 * 1e-4, rel=1e-6)
+    # Five requests ahead: one round of all four slots, then the 2nd again; a round lasts the typical output.
+    queued = predictor.predict(10, tokens_ahead=30, num_ahead=5, running_remaining=[20, 3, 8, 7], typical_output=12)
+    assert queued == pytest.approx((7 + 12) * step(4) + step(4) + 10 * 1e-4, rel=1e-6)
+    # A long prefill queue ahead outlasts the slot wait: then it is what counts.
+    long_queue = predictor.predict(10, tokens_ahead=6000, num_ahead=1, running_remaining=[20, 3, 8, 7])
+    assert long_queue == pytest.approx(100 * step(4) + 6000 * 1e-4 + step(4) + 10 * 1e-4, rel=1e-6)
 
 
 def test_predictor_is_silent_until_it_has_seen_enough_steps():
@@ -67,6 +73,15 @@ def test_unmeetable_deadline_is_refused_at_once_and_disturbs_nothing():
     assert set(finished) == {f"q{i}" for i in range(12)} | {"patient"}
     predicted = engine_predictions(finished)
     assert predicted and all(p > 0 for p in predicted)
+
+
+def test_a_deadline_that_is_only_a_safety_net_is_not_refused_but_still_ends_the_request():
+    """Servers mark their default timeout this way: the request is taken, and times out if it must."""
+    engine = busy_engine()
+    engine.add_request("net", random_prompts(1, 50, 50, seed=3)[0],
+                       greedy(4, timeout_s=0.001, reject_unmeetable_deadline=False))
+    finished = run_engine(engine)
+    assert finished["net"].outputs[0].finish_reason == "timeout"
 
 
 def engine_predictions(finished):
