@@ -68,9 +68,9 @@ class LLMEngine:
 
         def recompute_seconds(tokens: int) -> float:
             predictor = self.predictor
-            if predictor is None or not predictor.ready:
+            if predictor is None or predictor.per_prefill_token_s is None:
                 return tokens * 1e-4
-            return predictor.step_seconds(tokens, 0) - predictor.step_seconds(0, 0)
+            return tokens * predictor.per_prefill_token_s
 
         scheduler.recompute_seconds = recompute_seconds
 

@@ -1,8 +1,8 @@
 """Predict a request's time to first token from the work queued ahead of it and measured step costs.
 
-Step time is modelled as ``base + per_prefill_token * prefill_tokens + per_row * decode_rows``, fitted by
-exponentially weighted least squares over the engine's own recent steps (so it follows the machine,
-the model and the load without configuration). A new request's first token needs:
+Step time is modelled as (a decode step) + (time per prefill token) x (prefill tokens), both measured
+from the engine's own recent steps (so they follow the machine, the model and the load without
+configuration). A new request's first token needs:
 
 1. a batch slot: if the slots are full once the requests ranked ahead of it are counted, it waits
    for that many running requests to end, estimated from their remaining output lengths (the
@@ -16,39 +16,44 @@ at once (HTTP 429 with a ``Retry-After``) instead of timing out after occupying 
 
 from __future__ import annotations
 
-import numpy as np
-
 MIN_OBSERVATIONS = 8  # steps seen before predictions are trusted
-RIDGE = 1e-9  # keeps the fit defined before prefill and decode steps have both been seen
 
 
 class TTFTPredictor:
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, decay: float = 0.99) -> None:
+    """Two measured rates, each an exponential moving average over the engine's own steps: the time of a
+    step with no prefill tokens (decodes only), and the extra time per prefill token in the other steps.
+
+    (A least-squares fit of base + per token + per row was tried first: with mixed steps dominating under
+    load its terms traded off against each other and predictions drifted by 20x.)"""
+
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, decay: float = 0.95) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.decay = decay
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
-        self._coef: np.ndarray | None = None
+        self.decode_step_s: float | None = None
+        self.per_prefill_token_s: float | None = None
         self.num_observations = 0
 
     @property
     def ready(self) -> bool:
-        return self.num_observations >= MIN_OBSERVATIONS
+        return self.num_observations >= MIN_OBSERVATIONS and self.per_prefill_token_s is not None
 
     def observe(self, seconds: float, num_prefill_tokens: int, num_decode_rows: int) -> None:
-        x = np.array((1.0, num_prefill_tokens, num_decode_rows))
-        self._xtx = self.decay * self._xtx + np.outer(x, x)
-        self._xty = self.decay * self._xty + x * seconds
-        self._coef = None
         self.num_observations += 1
+        if num_prefill_tokens == 0:
+            self.decode_step_s = self._average(self.decode_step_s, seconds)
+            return
+        base = self.decode_step_s if self.decode_step_s is not None else 0.0
+        self.per_prefill_token_s = self._average(self.per_prefill_token_s,
+                                                 max(0.0, seconds - base) / num_prefill_tokens)
 
-    def step_seconds(self, num_prefill_tokens: float, num_decode_rows: float) -> float:
-        if self._coef is None:
-            self._coef = np.linalg.solve(self._xtx + RIDGE * np.eye(3), self._xty)
-        base, per_token, per_row = self._coef
-        # A fit can go slightly negative on a term it has barely seen; time cannot.
-        return max(0.0, base) + max(0.0, per_token) * num_prefill_tokens + max(0.0, per_row) * num_decode_rows
+    def _average(self, current: float | None, value: float) -> float:
+        return value if current is None else self.decay * current + (1 - self.decay) * value
+
+    def step_seconds(self, num_prefill_tokens: float, num_decode_rows: float = 0) -> float:
+        """A step's predicted time; decode rows are part of the measured decode step (their count moves
+        slowly compared with the average)."""
+        return (self.decode_step_s or 0.0) + (self.per_prefill_token_s or 0.0) * num_prefill_tokens
 
     def predict(self, own_prompt_tokens: int, tokens_ahead: int, num_ahead: int,
                 running_remaining: list[int], typical_output: int | None = None) -> float:
@@ -68,7 +73,7 @@ class TTFTPredictor:
             ordered = sorted(running_remaining)
             rounds, index = divmod(must_end - 1, len(ordered))  # each round frees every slot once more
             per_round = typical_output if typical_output is not None else ordered[-1]
-            slot_wait = (ordered[index] + rounds * per_round) * self.step_seconds(0, num_rows)
+            slot_wait = (ordered[index] + rounds * per_round) * self.step_seconds(0)
         ahead = self._prefill_seconds(tokens_ahead, per_step, num_rows)
         return max(slot_wait, ahead) + self._prefill_seconds(own_prompt_tokens, per_step, num_rows)
 
@@ -77,4 +82,4 @@ class TTFTPredictor:
         if tokens <= 0:
             return 0.0
         steps = -(-tokens // per_step)
-        return steps * self.step_seconds(0, num_rows) + self.step_seconds(tokens, 0) - self.step_seconds(0, 0)
+        return steps * self.step_seconds(0) + tokens * (self.per_prefill_token_s or 0.0)

@@ -11,35 +11,39 @@ from engine.ttft_predictor import MIN_OBSERVATIONS, TTFTPredictor
 from tests.engine.helpers import ENGINE_DEFAULTS, greedy, make_engine, random_prompts, run_engine
 
 
-def fitted(base=0.002, per_token=1e-4, per_row=5e-5, budget=64, slots=4) -> TTFTPredictor:
-    predictor = TTFTPredictor(budget, slots, decay=1.0)
-    for tokens, rows in [(0, 1), (0, 4), (64, 0), (32, 2), (10, 3), (50, 1), (0, 2), (20, 4), (60, 4)]:
-        predictor.observe(base + per_token * tokens + per_row * rows, tokens, rows)
+DECODE_S, PER_TOKEN_S = 0.003, 1e-4
+
+
+def fitted(budget=64, slots=4) -> TTFTPredictor:
+    predictor = TTFTPredictor(budget, slots)
+    for tokens in [0, 0, 64, 32, 0, 50, 0, 20, 60]:
+        predictor.observe(DECODE_S + PER_TOKEN_S * tokens, tokens, 2)
     return predictor
 
 
-def test_predictor_recovers_the_step_cost_model():
+def test_predictor_measures_decode_steps_and_prefill_cost_per_token():
     predictor = fitted()
     assert predictor.ready
-    assert predictor.step_seconds(100, 3) == pytest.approx(0.002 + 0.01 + 1.5e-4, rel=1e-6)
+    assert predictor.decode_step_s == pytest.approx(DECODE_S)
+    assert predictor.per_prefill_token_s == pytest.approx(PER_TOKEN_S)
+    assert predictor.step_seconds(100) == pytest.approx(DECODE_S + 100 * PER_TOKEN_S)
 
 
 def test_prediction_counts_prefill_chunks_and_waiting_for_a_slot():
     predictor = fitted()
-    step = lambda rows: 0.002 + rows * 5e-5  # noqa: E731  a step's time without prefill tokens
     # A free slot, nobody ahead: 100 prompt tokens through (64 - 2 decode rows) = 62 per step -> 2 steps.
     alone = predictor.predict(100, tokens_ahead=0, num_ahead=0, running_remaining=[5, 9])
-    assert alone == pytest.approx(2 * step(2) + 100 * 1e-4, rel=1e-6)
+    assert alone == pytest.approx(2 * DECODE_S + 100 * PER_TOKEN_S)
     # All 4 slots busy (remaining 3, 7, 8, 20 tokens) and one request ahead: the 2nd to end (7 steps) frees
     # ours. The 30 tokens ahead are prefilled during that wait (1 step, shorter), then our 100 (2 steps).
     busy = predictor.predict(100, tokens_ahead=30, num_ahead=1, running_remaining=[20, 3, 8, 7])
-    assert busy == pytest.approx(7 * step(4) + 2 * step(4) + 100 * 1e-4, rel=1e-6)
+    assert busy == pytest.approx(7 * DECODE_S + 2 * DECODE_S + 100 * PER_TOKEN_S)
     # Five requests ahead: one round of all four slots, then the 2nd again; a round lasts the typical output.
     queued = predictor.predict(10, tokens_ahead=30, num_ahead=5, running_remaining=[20, 3, 8, 7], typical_output=12)
-    assert queued == pytest.approx((7 + 12) * step(4) + step(4) + 10 * 1e-4, rel=1e-6)
+    assert queued == pytest.approx((7 + 12) * DECODE_S + DECODE_S + 10 * PER_TOKEN_S)
     # A long prefill queue ahead outlasts the slot wait: then it is what counts.
     long_queue = predictor.predict(10, tokens_ahead=6000, num_ahead=1, running_remaining=[20, 3, 8, 7])
-    assert long_queue == pytest.approx(100 * step(4) + 6000 * 1e-4 + step(4) + 10 * 1e-4, rel=1e-6)
+    assert long_queue == pytest.approx(100 * DECODE_S + 6000 * PER_TOKEN_S + DECODE_S + 10 * PER_TOKEN_S)
 
 
 def test_predictor_is_silent_until_it_has_seen_enough_steps():
