@@ -24,13 +24,15 @@ class OutputProcessor:
         decoder = request.decoder
         if decoder is None:
             decoder = request.decoder = self.tokenizer.decode_stream(request.params.skip_special_tokens)
-        old_len = len(request.text)
-        request.text += decoder.step(request.output_token_ids[-1])
+        piece = decoder.step(request.output_token_ids[-1])
+        if piece:
+            request.text += piece
         if token_logprobs is not None and request.logprobs is not None:
             self._append_logprobs(request, token_logprobs)
         stops = request.params.stop
-        if not stops or len(request.text) == old_len:
+        if not stops or not piece:
             return False
+        old_len = len(request.text) - len(piece)
         # A stop string may straddle tokens: look back far enough to catch one that began earlier.
         search_from = max(0, old_len - request.params.max_stop_chars + 1)
         hits = [(i, s) for s in stops if (i := request.text.find(s, search_from)) >= 0]

@@ -185,12 +185,12 @@ class Scheduler:
         add_advanced = advanced.append
         done = RequestStatus.FINISHED
         kv = self.kv
-        caching, block_size = kv.enable_prefix_caching, kv.block_size
+        caching, block_size, num_hashed_blocks = kv.enable_prefix_caching, kv.block_size, kv.num_hashed_blocks
         for request, num_new, token_id in zip(self._scheduled_requests, self._scheduled_counts, sampled_token_ids):
             if request.static_padding or request.status is done:
                 continue
             computed = request.num_computed_tokens = request.num_computed_tokens + num_new
-            if caching and computed >= (kv.num_hashed_blocks(request.request_id) + 1) * block_size:
+            if caching and computed >= (num_hashed_blocks(request.request_id) + 1) * block_size:
                 kv.cache_computed_blocks(request.request_id, request.all_token_ids, computed)
             if token_id is None:
                 continue  # a prefill chunk that is not the last one
@@ -266,7 +266,7 @@ class ContinuousScheduler(Scheduler):
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted = False
-        allocate = self.kv.allocate
+        allocate, tables, block_size = self.kv.allocate, self.kv.block_tables, self.kv.block_size
         running_status = RequestStatus.RUNNING
         decoding, prefilling = [], []
         for request in self.running:
@@ -283,6 +283,11 @@ class ContinuousScheduler(Scheduler):
             num_new = len(request.all_token_ids) - computed
             if num_new > budget:
                 num_new = budget
+            table = tables.get(request.request_id)
+            if table is not None and computed + num_new <= len(table) * block_size:
+                scheduled[request] = num_new  # its blocks hold these tokens already (most decodes): no allocate
+                budget -= num_new
+                continue
             while not allocate(request.request_id, computed + num_new):
                 victim = max(self.running, key=lambda r: self.rank(r, now))
                 budget += scheduled.pop(victim, 0)
