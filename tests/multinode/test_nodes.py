@@ -108,9 +108,13 @@ def test_worker_node_lost_under_streaming_load(app, cluster):
             queued = [asyncio.create_task(_post(client, app, {
                 "model": MODEL, "prompt": f"queued {i}", "max_tokens": short_tokens, "ignore_eos": True,
                 "stream": i % 2 == 0})) for i in range(8)]
+            # Both replicas busy, and one full with requests waiting (the one to kill). Demanding both full
+            # and waiting made the test flaky: when the long requests split 5/3, the less loaded replica
+            # runs the queued short ones as fast as they come and rarely shows a queue.
             stats = await asyncio.to_thread(wait_for_stats, lambda s: len(s["replicas"]) == 2 and all(
+                r["num_running"] >= 1 for r in s["replicas"]) and any(
                 r["num_running"] == MAX_NUM_SEQS and r["num_waiting"] >= 1 for r in s["replicas"]),
-                base_url=app, timeout=20, interval=0.05, what="both replicas full, with requests waiting")
+                base_url=app, timeout=20, interval=0.05, what="both replicas busy, one full with requests waiting")
             victim = max(stats["replicas"], key=lambda r: r["num_waiting"])
             outcome["victim_node"] = victim["node_id"]
             await asyncio.to_thread(cluster.remove_worker, victim["node_id"])
