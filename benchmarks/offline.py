@@ -4,7 +4,9 @@ Every system runs the same requests on the same model in this process, one after
 ``LLMEngine`` per ``--batching`` mode, then the ``--baselines`` (transformers' static ``generate`` with
 padding, transformers' continuous batching; see ``benchmarks.hf_baselines``). A named workload has every
 request arrive at t=0; a ``--trace`` replays its arrival times (ours only; on the step clock, see
-``benchmarks.engine_run``). All systems get the same KV budget (default 8 x 1,000 tokens).
+``benchmarks.engine_run``). All systems get the same KV budget (default 8 x 1,000 tokens). With
+``--repeats`` every system runs that many times, interleaved, and its median run is reported (the
+machine may be shared: a burst of other work then hits all systems alike, and the median leaves it out).
 
 Reported per system: useful output tokens/s (each request's own output length over the time from the
 first arrival to the last completion: tokens a static batch computes past a member's end do not count),
@@ -30,7 +32,8 @@ from benchmarks.hf_baselines import BASELINES, BaselineRun, quiet_transformers, 
 from benchmarks.metrics import TokenWaste, summarize, useful_computed_tokens
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.workloads import (
-    add_engine_args, add_workload_args, build_checkpoint, describe_workload, make_engine, workload_from_args,
+    add_engine_args, add_workload_args, build_checkpoint, describe_workload, make_engine, positive_int,
+    workload_from_args,
 )
 
 MODES = ("continuous", "static")
@@ -102,8 +105,9 @@ def ratios(results: dict[str, SystemResult]) -> list[dict[str, Any]]:
 
 
 # -- report ---------------------------------------------------------------------------------------------
-def print_report(results: dict[str, SystemResult], ratio_rows: list[dict[str, Any]], workload: dict,
-                 name: str, loads: tuple[float | None, float | None], args) -> None:
+def print_report(results: dict[str, SystemResult], runs: dict[str, list[SystemResult]],
+                 ratio_rows: list[dict[str, Any]], workload: dict, name: str,
+                 loads: tuple[float | None, float | None], args) -> None:
     load = ["n/a" if v is None else f"{v:.2f}" for v in loads]
     print(f"\nworkload {name}: {workload['num_requests']} requests, {workload['prompt_tokens']} prompt tokens, "
           f"{workload['output_tokens']} useful output tokens; KV budget {args.kv_budget_tokens} tokens; "
@@ -120,6 +124,9 @@ def print_report(results: dict[str, SystemResult], ratio_rows: list[dict[str, An
     print_table("throughput and latency (latency from arrival to completion, seconds)",
                 ["system", "useful tok/s", "padding tok", "wasted tok", "lat mean", "p50", "p90", "p99",
                  "prefill s", "decode s", "mixed s", "occupancy", "KV blocks", "KV tokens", "span s"], rows)
+    if args.repeats > 1:
+        print("tokens/s of each repeat: " + "; ".join(
+            f"{s} {', '.join(f'{r.tokens_per_s:.0f}' for r in rs)}" for s, rs in runs.items()))
     if ratio_rows:
         print_table("ratios of useful tokens/s (targets from the engine issue)",
                     ["ratio", "value", "target", "result"],
@@ -175,6 +182,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
                         help=f"our batching modes to run, comma-separated subset of {','.join(MODES)} (or none)")
     parser.add_argument("--baselines", default="none", choices=list(BASELINE_CHOICES),
                         help="transformers baselines on the same model: hf = both hf-static and hf-cb")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="runs of every system, interleaved; each system's median run is reported")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--plot", metavar="PATH.png", help="also draw throughput, latency CDF and KV utilisation")
     args = parser.parse_args(argv)
@@ -196,18 +205,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     quiet_transformers()
     model_path = str(build_checkpoint(args.cache_dir))
-    results: dict[str, SystemResult] = {}
+    runs: dict[str, list[SystemResult]] = {system: [] for system in args.systems}
     load_start = load_average()
     started = time.perf_counter()
-    for system in args.systems:
-        print(f"running {system} ...", file=sys.stderr, flush=True)
-        results[system] = run_system(system, model_path, requests, arrivals, args)
-        print(f"{system}: {results[system].tokens_per_s:.1f} tok/s over {results[system].span_s:.1f} s",
-              file=sys.stderr, flush=True)
+    for repeat in range(args.repeats):
+        for system in args.systems:  # interleaved: a burst of load elsewhere hits every system alike
+            print(f"running {system} ({repeat + 1}/{args.repeats}) ...", file=sys.stderr, flush=True)
+            run = run_system(system, model_path, requests, arrivals, args)
+            runs[system].append(run)
+            print(f"{system}: {run.tokens_per_s:.1f} tok/s over {run.span_s:.1f} s", file=sys.stderr, flush=True)
+    # the median run of each system by throughput (the lower middle one of an even count)
+    results = {s: sorted(r, key=lambda x: x.tokens_per_s)[(len(r) - 1) // 2] for s, r in runs.items()}
     ratio_rows = ratios(results)
     loads = (load_start, load_average())
     workload = describe_workload(requests)
-    print_report(results, ratio_rows, workload, name, loads, args)
+    print_report(results, runs, ratio_rows, workload, name, loads, args)
     if args.plot:
         plot(results, name, args.plot)
     write_json(args.json, {
@@ -217,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          "load_average_end": loads[1]},
         "elapsed_s": time.perf_counter() - started,
         "results": {s: r.summary() for s, r in results.items()},
+        "tokens_per_s_by_repeat": {s: [r.tokens_per_s for r in rs] for s, rs in runs.items()},
         "latencies_s": {s: r.latencies_s for s, r in results.items()},
         "ratios": ratio_rows,
     })
