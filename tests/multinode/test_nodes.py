@@ -104,7 +104,11 @@ def test_worker_node_lost_under_streaming_load(app, cluster):
 
             streams = [asyncio.create_task(long_stream(i)) for i in range(num_streams)]
             unary = [asyncio.create_task(_post(client, app, b)) for b in long_bodies[num_streams:]]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_tokens)), 30)
+            # Every long request placed (running or waiting on some replica). Not "every stream has a token":
+            # when the long requests split 5/3, the fifth on one replica only starts when another ends.
+            await asyncio.to_thread(wait_for_stats, lambda s: sum(
+                r["num_running"] + r["num_waiting"] for r in s["replicas"]) >= 2 * MAX_NUM_SEQS,
+                base_url=app, timeout=30, interval=0.05, what="every long request placed")
             queued = [asyncio.create_task(_post(client, app, {
                 "model": MODEL, "prompt": f"queued {i}", "max_tokens": short_tokens, "ignore_eos": True,
                 "stream": i % 2 == 0})) for i in range(8)]
