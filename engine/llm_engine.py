@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Any, Callable, Sequence
 
 from engine.config import EngineConfig
+from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
 from engine.models.loader import read_model_source
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -20,6 +23,12 @@ from engine.scheduler_output import SchedulerOutput, StepRecord
 from engine.ttft_predictor import TTFTPredictor
 
 PromptInput = str | Sequence[int] | dict[str, Any]
+
+logger = logging.getLogger(__name__)
+
+# The KV diagnosis looks at every SAMPLE_EVERY-th step, over the last DIAGNOSIS_WINDOW samples, and is
+# re-run every DIAGNOSE_EVERY steps: cheap enough for every engine, slow enough to see states, not bursts.
+SAMPLE_EVERY, DIAGNOSIS_WINDOW, DIAGNOSE_EVERY = 10, 100, 200
 
 
 class LLMEngine:
@@ -49,6 +58,8 @@ class LLMEngine:
         self._set_preemption_costs()
         self._sum_output_lengths = 0  # of finished requests, for the predictor's estimate of remaining work
         self._num_output_lengths = 0
+        self._kv_samples: collections.deque[StepSample] = collections.deque(maxlen=DIAGNOSIS_WINDOW)
+        self.kv_diagnosis: KVDiagnosis | None = None
         self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
         self._sequence_ids = itertools.count()
         self.num_steps = 0
@@ -73,6 +84,25 @@ class LLMEngine:
             return tokens * predictor.per_prefill_token_s
 
         scheduler.recompute_seconds = recompute_seconds
+
+    def _sample_kv(self, batch: SchedulerOutput, seconds: float) -> None:
+        """Record this step for the KV diagnosis; every DIAGNOSE_EVERY steps, diagnose (the seed's advice:
+        token-level KV use under 60% while requests wait means a limit other than memory is hit)."""
+        scheduler = self.scheduler
+        padding = sum(batch.padding)
+        decode = batch.query_lens.count(1) - padding
+        self._kv_samples.append(StepSample(
+            seconds, batch.num_tokens - decode - padding, decode, padding, len(scheduler.running),
+            len(scheduler.waiting), scheduler.kv.pool.num_used, scheduler.kv_stats().num_tokens_used))
+        if self.num_steps % DIAGNOSE_EVERY:
+            return
+        config = self.config
+        limits = EngineLimits(config.batching, config.max_num_seqs, config.max_num_batched_tokens,
+                              scheduler.kv.pool.num_blocks, config.block_size)
+        diagnosis = diagnose_kv(list(self._kv_samples), limits)
+        if diagnosis is not None and (self.kv_diagnosis is None or self.kv_diagnosis.cause != diagnosis.cause):
+            logger.warning("KV cache under-used: %s", diagnosis.message)
+        self.kv_diagnosis = diagnosis
 
     def _resolve_max_model_len(self, cfg) -> int:
         limit = cfg.max_position_embeddings
@@ -230,6 +260,8 @@ class LLMEngine:
                 num_decode_rows = batch.query_lens.count(1)
                 self.predictor.observe(time.perf_counter() - started, batch.num_tokens - num_decode_rows,
                                        num_decode_rows)
+            if self.num_steps % SAMPLE_EVERY == 0:
+                self._sample_kv(batch, time.perf_counter() - started)
         outputs = []
         children_of, make_output = self._children, self.output_processor.make_output
         for parent in touched:
@@ -285,6 +317,9 @@ class LLMEngine:
             "num_swapped_in_bytes": self.scheduler.num_swapped_in_blocks * self.runner.kv_bytes_per_block,
             "prefix_cache_query_tokens": self.scheduler.num_prefix_query_tokens,
             "prefix_cache_hit_tokens": self.scheduler.num_prefix_hit_tokens,
+            # None, or why token-level KV use stays under 60% while requests wait (kv_diagnosis.py)
+            "kv_diagnosis": self.kv_diagnosis.message if self.kv_diagnosis is not None else None,
+            "kv_diagnosis_cause": self.kv_diagnosis.cause if self.kv_diagnosis is not None else None,
             "num_steps": self.num_steps,
             "batch_size": self.last_batch_size,
             "num_generated_tokens": self.num_generated_tokens,

@@ -35,6 +35,9 @@ class ReplicaMetrics:
         self.kv_blocks_empty = gauge("llm_kv_blocks_empty", "KV blocks holding nothing")
         self.prefix_hit_rate = gauge("llm_prefix_cache_hit_rate",
                                      "prompt tokens found in the prefix cache / prompt tokens looked up, since start")
+        self.kv_underused = gauge("llm_kv_cache_underused",
+                                  "1 while token-level KV use stays under 60% with requests waiting: a limit other "
+                                  "than memory is hit (the cause is in /stats kv_diagnosis and the replica's log)")
         self.running = gauge("llm_num_requests_running", "requests holding a batch slot")
         self.waiting = gauge("llm_num_requests_waiting", "requests queued in the engine")
         self.batch_size = gauge("llm_batch_size", "rows in the latest engine step")
@@ -65,6 +68,7 @@ class ReplicaMetrics:
         self.kv_blocks_empty.set(stats["kv_blocks_empty"])
         if stats["prefix_cache_query_tokens"]:
             self.prefix_hit_rate.set(stats["prefix_cache_hit_tokens"] / stats["prefix_cache_query_tokens"])
+        self.kv_underused.set(1.0 if stats.get("kv_diagnosis") else 0.0)
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         new_preemptions = stats["num_preemptions"] - self._last_preemptions

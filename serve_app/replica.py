@@ -139,6 +139,7 @@ class LLMReplica:
                 "kv_token_usage": stats["kv_token_usage"],
                 "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
                 "prefix_cache_query_tokens": stats["prefix_cache_query_tokens"],
+                "kv_diagnosis": stats["kv_diagnosis"],
                 "max_num_seqs": stats["max_num_seqs"], "max_model_len": stats["max_model_len"],
                 "num_preemptions": stats["num_preemptions"], "num_finished_requests": stats["num_finished_requests"],
                 "num_generated_tokens": stats["num_generated_tokens"], "time": time.time()}

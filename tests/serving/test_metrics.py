@@ -22,7 +22,7 @@ from tests.serving.helpers import (
 
 GAUGES = ["ray_llm_kv_cache_usage_ratio", "ray_llm_kv_cache_token_usage_ratio", "ray_llm_num_requests_running",
           "ray_llm_num_requests_waiting", "ray_llm_batch_size", "ray_llm_kv_blocks_live", "ray_llm_kv_blocks_cached",
-          "ray_llm_kv_blocks_empty"]
+          "ray_llm_kv_blocks_empty", "ray_llm_kv_cache_underused"]
 HISTOGRAMS = ["ray_llm_time_to_first_token_seconds", "ray_llm_time_per_output_token_seconds",
               "ray_llm_e2e_request_latency_seconds", "ray_llm_request_queue_time_seconds",
               "ray_llm_scheduler_step_seconds"]
