@@ -66,6 +66,8 @@ CAUSES = {
                     "for this KV cache; raise it",
     "token_budget": "steps used the whole token budget while requests waited: max_num_batched_tokens "
                     "({max_num_batched_tokens}) is too small; raise it",
+    "static_batch": "requests waited for the running batch to end with slots, budget and blocks to spare: "
+                    "static batching admits nobody into a running batch; continuous batching would",
     "other": "no single limit was hit (slots, token budget and blocks all had room): requests arrived faster "
              "than steps admit them, or the runs are too short to fill the cache",
 }
@@ -91,7 +93,8 @@ def diagnose_kv(steps: Sequence[StepSample], limits: EngineLimits, threshold: fl
 
     Each waiting step is put down to the first limit it hit: the blocks (>= ``blocks_full_at`` of them held,
     so low token utilisation means held blocks are not filled: fragmentation), the slots (``max_num_seqs``
-    running), the token budget (the step used all of it), or none of them ("other").
+    running), the token budget (the step used all of it); else, in static mode with a batch running, static
+    batching itself (nobody joins a running batch); else none of them ("other").
     """
     waiting = [s for s in steps if s.num_waiting > 0]
     if not waiting or len(waiting) < min_waiting_share * len(steps):
@@ -108,6 +111,8 @@ def diagnose_kv(steps: Sequence[StepSample], limits: EngineLimits, threshold: fl
             counts["max_num_seqs"] += 1
         elif s.num_tokens >= limits.max_num_batched_tokens:
             counts["token_budget"] += 1
+        elif limits.batching == "static" and s.num_running > 0:
+            counts["static_batch"] += 1
         else:
             counts["other"] += 1
     cause = max(counts, key=lambda c: counts[c])  # ties: the first in CAUSES order
@@ -117,7 +122,7 @@ def diagnose_kv(steps: Sequence[StepSample], limits: EngineLimits, threshold: fl
                f"{len(waiting)} of {len(steps)} steps; likely cause: "
                + CAUSES[cause].format(fill=fill, max_num_seqs=limits.max_num_seqs,
                                       max_num_batched_tokens=limits.max_num_batched_tokens))
-    if limits.batching == "static" and cause != "other":
+    if limits.batching == "static" and cause not in ("other", "static_batch"):
         message += " (or use continuous batching: a static batch keeps its finished members' slots until it ends)"
     return KVDiagnosis(token_util, block_util, len(waiting), cause,
                        {c: n / len(waiting) for c, n in counts.items()}, message)

@@ -132,13 +132,21 @@ def test_all_slots_taken_while_requests_wait_blames_max_num_seqs():
     diagnosis = diagnose_kv(steps, LIMITS)
     assert diagnosis.cause == "max_num_seqs"
     assert diagnosis.cause_shares == pytest.approx({"fragmentation": 0, "max_num_seqs": 0.75, "token_budget": 0.25,
-                                                    "other": 0})
+                                                    "static_batch": 0, "other": 0})
     assert "max_num_seqs (4)" in diagnosis.message
 
 
 def test_a_full_token_budget_while_requests_wait_blames_the_budget():
     diagnosis = diagnose_kv([step(prefill=99, decode=1, running=2, waiting=2, blocks=4, tokens=40)], LIMITS)
     assert diagnosis.cause == "token_budget" and "max_num_batched_tokens (100)" in diagnosis.message
+
+
+def test_waiting_on_a_running_static_batch_with_room_to_spare_blames_static_batching():
+    limits = EngineLimits("static", 8, 100, 10, 10)
+    diagnosis = diagnose_kv([step(decode=3, running=3, waiting=2, blocks=4, tokens=30)], limits)
+    assert diagnosis.cause == "static_batch" and "admits nobody into a running batch" in diagnosis.message
+    # the same step in continuous mode hit no limit at all
+    assert diagnose_kv([step(decode=3, running=3, waiting=2, blocks=4, tokens=30)], LIMITS).cause == "other"
 
 
 def test_static_batching_diagnosis_points_at_continuous_batching():
