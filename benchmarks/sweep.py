@@ -166,24 +166,30 @@ def print_report(points: dict[str, list[Point]], comparison: CurveComparison, ad
           f"{advice['tokens_per_s']:.0f} tok/s at {args.latency} latency {advice['latency_s']:.2f} s"
           + (f", at most {advice['peak_running']} requests running" if advice["peak_running"] is not None else "")
           + ")")
-    if advice["kv_diagnosis"]:
-        print(f"KV diagnosis there: {advice['kv_diagnosis']}")
+    for mode in MODES:  # at the highest load, where a configuration's limits show
+        top = points[mode][-1]
+        if top.kv_diagnosis:
+            print(f"KV diagnosis, {mode} at {args.over} {top.param:g}: {top.kv_diagnosis}")
 
 
 def plot(points: dict[str, list[Point]], comparison: CurveComparison, args, path: str) -> None:
     plt = pyplot()
     fig, (curves, lead) = plt.subplots(1, 2, figsize=(13, 4.8))
     colours = {"static": "C1", "continuous": "C0"}
+    labels = {mode: mode for mode in MODES}
+    if args.over == "rate" and not args.serving:
+        labels = {"static": f"static ({args.static_batch_size} slots)",
+                  "continuous": f"continuous (max_num_seqs {args.max_num_seqs})"}
     for mode in MODES:
         xy = [(p.tokens_per_s, p.latency(args.latency)) for p in points[mode]]
-        curves.plot(*zip(*xy), "o-", color=colours[mode], label=mode)
+        curves.plot(*zip(*xy), "o-", color=colours[mode], label=labels[mode])
         for (x, y), value in zip(xy, args.values):
             curves.annotate(f"{value:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8,
                             color=colours[mode])
     metric = [compared_value(p, args) for p in points["static"]]
     for mode in MODES:
         values = [compared_value(p, args) for p in points[mode]]
-        lead.plot(args.values, values, "o-", color=colours[mode], label=mode)
+        lead.plot(args.values, values, "o-", color=colours[mode], label=labels[mode])
     for lo, hi in comparison.ranges_won_by("static", args.values):
         lead.axvspan(lo, hi, color=colours["static"], alpha=0.12, label="static better")
     for c in comparison.crossovers:
