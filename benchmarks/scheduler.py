@@ -122,7 +122,7 @@ def time_parts(engine, steps: int) -> dict[str, float]:
     wrapped = [(engine, "step", "engine loop"), (scheduler, "schedule", "scheduling"),
                (kv, "allocate", "block bookkeeping"), (kv, "free", "block bookkeeping"),
                (scheduler, "_build_output", "input preparation"), (runner, "execute", "input preparation"),
-               (scheduler, "update", "output processing"), (processor, "process_token", "output processing"),
+               (scheduler, "update", "output processing"), (processor, "process_tokens", "output processing"),
                (processor, "make_output", "output processing")]
     for owner, name, part in wrapped:
         setattr(owner, name, timer.wrap(part, getattr(owner, name)))

@@ -247,12 +247,11 @@ class LLMEngine:
             logprobs = result.logprobs
             logprobs_by_id = ({rid: lp for rid, lp in zip(batch.request_ids, logprobs) if lp is not None}
                               if logprobs.count(None) != len(logprobs) else None)
-            process_token = self.output_processor.process_token
             advanced = scheduler.update(result.sampled_token_ids)
-            for request in advanced:
-                lp = logprobs_by_id.get(request.request_id) if logprobs_by_id is not None else None
-                if process_token(request, lp) and not request.is_finished:
+            for request in self.output_processor.process_tokens(advanced, logprobs_by_id):
+                if not request.is_finished:
                     scheduler.finish(request, "stop")  # a stop string ended it
+            for request in advanced:
                 touched[request.parent_id] = None
             self.num_generated_tokens += len(advanced)
             self.num_steps += 1

@@ -16,26 +16,37 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def process_token(self, request: Request, token_logprobs: TokenLogprobs | None) -> bool:
-        """Account for the token just appended to ``request``. True if a stop string ended it."""
-        metrics = request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = time.time()
-        decoder = request.decoder
-        if decoder is None:
-            decoder = request.decoder = self.tokenizer.decode_stream(request.params.skip_special_tokens)
-        piece = decoder.step(request.output_token_ids[-1])
-        if piece:
-            request.text += piece
-        if token_logprobs is not None and request.logprobs is not None:
-            self._append_logprobs(request, token_logprobs)
-        stops = request.params.stop
-        if not stops or not piece:
-            return False
-        old_len = len(request.text) - len(piece)
+    def process_tokens(self, requests: list[Request],
+                       logprobs_by_id: dict[str, TokenLogprobs] | None = None) -> list[Request]:
+        """Account for the token each of ``requests`` just got; returns those a stop string ended.
+
+        One call per step with its loop inside: this runs for every row of every step.
+        """
+        stopped = []
+        for request in requests:
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = time.time()
+            decoder = request.decoder
+            if decoder is None:
+                decoder = request.decoder = self.tokenizer.decode_stream(request.params.skip_special_tokens)
+            piece = decoder.step(request.output_token_ids[-1])
+            if piece:
+                request.text += piece
+            if logprobs_by_id is not None and request.logprobs is not None:
+                token_logprobs = logprobs_by_id.get(request.request_id)
+                if token_logprobs is not None:
+                    self._append_logprobs(request, token_logprobs)
+            if piece and request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
+                stopped.append(request)
+        return stopped
+
+    @staticmethod
+    def _cut_at_stop_string(request: Request, old_len: int) -> bool:
+        """If the text (``old_len`` chars before this token) now holds a stop string, cut it there and end."""
         # A stop string may straddle tokens: look back far enough to catch one that began earlier.
         search_from = max(0, old_len - request.params.max_stop_chars + 1)
-        hits = [(i, s) for s in stops if (i := request.text.find(s, search_from)) >= 0]
+        hits = [(i, s) for s in request.params.stop if (i := request.text.find(s, search_from)) >= 0]
         if not hits:
             return False
         index, stop = min(hits)
