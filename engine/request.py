@@ -101,21 +101,20 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+    def append_token(self, token_id: int) -> bool:
+        """Add a sampled token and apply the token-level stop rules; True if the request ended.
 
-    def check_stop_token(self) -> bool:
-        """Apply the token-level stop rules after a token was appended; True if the request ended."""
+        One method, not two: the scheduler calls it for every row of every step."""
+        output_token_ids = self.output_token_ids
+        output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         params = self.params
-        num_output = len(self.output_token_ids)
-        if num_output >= params.min_tokens:
-            last = self.output_token_ids[-1]
-            if not params.ignore_eos and last in self.eos_token_ids:
+        if len(output_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = "stop", None
                 return True
-            if last in params.stop_token_ids:
-                self.finish_reason, self.stop_reason = "stop", last
+            if token_id in params.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token_id
                 return True
         if len(self.all_token_ids) >= self.max_total_tokens:
             self.finish_reason = "length"

@@ -194,9 +194,8 @@ class Scheduler:
                 kv.cache_computed_blocks(request.request_id, request.all_token_ids, computed)
             if token_id is None:
                 continue  # a prefill chunk that is not the last one
-            request.append_token(token_id)
             add_advanced(request)
-            if request.check_stop_token():
+            if request.append_token(token_id):
                 finished.append(request)
         for request in finished:
             self.finish(request, request.finish_reason)
