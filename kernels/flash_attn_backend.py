@@ -65,15 +65,10 @@ class FlashAttnPagedAttention(TritonPagedAttention):
                                  cumsum(layout.query_lens), cumsum(layout.seq_lens), max(layout.query_lens),
                                  max(layout.seq_lens))
 
-    def store_kv(self, key, value, k_cache, v_cache, metadata) -> None:
-        # The Triton store kernel addresses the cache by (block, head, offset) strides, whatever the layout.
-        num_tokens, num_kv_heads, head_dim = key.shape
-        self.kernels.store_kv_kernel[(num_tokens,)](
-            key, value, k_cache, v_cache, metadata.slot_mapping,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
-            metadata.block_size, num_kv_heads, head_dim,
-            HEADS_PAD=1 << max(0, num_kv_heads - 1).bit_length(), DIM_PAD=1 << max(0, head_dim - 1).bit_length())
+    @staticmethod
+    def cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
+        # [num_blocks, block_size, num_kv_heads, head_dim]: the inherited Triton store reads it by these strides
+        return cache.stride(0), cache.stride(2), cache.stride(1)
 
     def forward(self, query, key, value, k_cache, v_cache, metadata: FlashAttnMetadata, scale: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:

@@ -97,6 +97,11 @@ class TritonPagedAttention(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
+    @staticmethod
+    def cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
+        """(block, kv head, slot) strides of a cache in this backend's layout; the kernels take any layout."""
+        return cache.stride(0), cache.stride(1), cache.stride(2)
+
     def prepare(self, layout: BatchLayout) -> TritonAttentionMetadata:
         device = layout.slot_mapping.device
         query_lens, seq_lens = layout.query_lens, layout.seq_lens
@@ -191,7 +196,7 @@ class TritonPagedAttention(AttentionBackend):
         self.kernels.store_kv_kernel[(num_tokens,)](
             key, value, k_cache, v_cache, metadata.slot_mapping,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            *self.cache_strides(k_cache),
             metadata.block_size, num_kv_heads, head_dim,
             HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim))
 
