@@ -5,9 +5,9 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, DeadlineUnmeetableError, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 __all__ = [
-    "LLM", "LLMEngine", "AsyncLLMEngine", "EngineDeadError", "EngineConfig", "SamplingParams",
+    "LLM", "LLMEngine", "AsyncLLMEngine", "EngineDeadError", "EngineConfig", "SamplingParams", "PoolingParams",
     "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "DeadlineUnmeetableError",
 ]

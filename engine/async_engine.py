@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.outputs import DeadlineUnmeetableError, RequestOutput
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 IDLE_WAIT_S = 0.5  # how often an idle step thread looks up (it is woken at once by new work)
 STATS_PERIOD_S = 0.05  # how fresh stats() is while steps run (it walks the queues, so not every step)
@@ -68,9 +68,11 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    async def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
+    async def generate(self, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield this request's outputs step by step; the last one has ``finished=True``.
+        """Yield this request's outputs step by step; the last one has ``finished=True``. A request that
+        generates nothing (prompt scoring with ``max_tokens=0``, an embedding with ``PoolingParams``) yields
+        one output, the final one.
 
         Leaving the iteration early (or cancelling the task) aborts the request, freeing its KV blocks.
         A consumer that falls behind gets one output carrying everything since its last one (the
@@ -79,8 +81,8 @@ class AsyncLLMEngine:
         async for output in self.submit(prompt, params, request_id, priority):
             yield output
 
-    def submit(self, prompt: PromptInput, params: SamplingParams | None = None, request_id: str | None = None,
-               priority: int = 0) -> "RequestStream":
+    def submit(self, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
+               request_id: str | None = None, priority: int = 0) -> "RequestStream":
         """Validate and queue now (a bad request raises ``ValueError`` here), stream the outputs later.
 
         Iterate the returned stream to the end, or leave it early to abort the request.

@@ -52,6 +52,13 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (debugging, or to save their memory)
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
+    # Requests that generate nothing (prompt scoring with max_tokens=0, embeddings) take the prefill lane
+    # (engine/prefill_lane.py): static batches of whole prompts, formed in arrival order up to these limits
+    # (a longer prompt runs alone), one per engine step, computed without the KV cache. Off: they go
+    # through the scheduler and the paged cache like any prefill ("mixed").
+    prefill_lane: bool = True
+    max_prefill_batch_tokens: int = 2048
+    max_prefill_batch_size: int = 32
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -112,3 +119,9 @@ class EngineConfig:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise bad("num_threads", "must be a positive integer or None")
+        if not isinstance(self.prefill_lane, bool):
+            raise bad("prefill_lane", "must be true or false")
+        for name in ("max_prefill_batch_tokens", "max_prefill_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, "must be an integer >= 1")

@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 
 class LLM:
@@ -23,17 +23,30 @@ class LLM:
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Prompts: a str, a list of str, or a list of token-id lists. Outputs come back in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
-                                                and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Prompts: a str, a list of str, or a list of token-id lists. Outputs come back in input order.
+
+        ``SamplingParams(max_tokens=0, prompt_logprobs=k)`` scores the prompts: each output's
+        ``prompt_logprobs`` holds every prompt token's logprob (None at position 0) and its top ``k``."""
+        prompts = _as_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params_list)} given for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, "generate")
+
+    def embed(self, prompts: PromptInput | Sequence[PromptInput], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[RequestOutput]:
+        """One embedding per prompt (``output.embedding``): the mean over its positions of the model's final-norm
+        hidden state. Outputs come back in input order."""
+        prompts = _as_list(prompts)
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        return self._run(prompts, [pooling_params or PoolingParams()] * len(prompts), use_tqdm, "embed")
+
+    def _run(self, prompts: list[PromptInput], params_list: list[SamplingParams | PoolingParams], use_tqdm: bool,
+             desc: str) -> list[RequestOutput]:
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
         batches = []
         for prompt, params in zip(prompts, params_list):
@@ -43,7 +56,7 @@ class LLM:
         for batch in batches:
             self.engine.enqueue(batch)
         results: list[RequestOutput | None] = [None] * len(batches)
-        with tqdm(total=len(batches), disable=not use_tqdm, desc="generate") as bar:
+        with tqdm(total=len(batches), disable=not use_tqdm, desc=desc) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished and output.request_id in order:
@@ -62,3 +75,11 @@ class LLM:
             # The template already wrote the special tokens (bos): do not add them twice.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt (a str, a dict, a list of token ids) or a list of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                            and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)

@@ -15,9 +15,10 @@ from engine.models.loader import read_model_source
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import DeadlineUnmeetableError, RequestOutput
+from engine.prefill_lane import PrefillLane
 from engine.request import Request
 from engine.sampler import SamplingBatch
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 from engine.scheduler import make_scheduler
 from engine.scheduler_output import SchedulerOutput, StepRecord
 from engine.ttft_predictor import TTFTPredictor
@@ -51,6 +52,9 @@ class LLMEngine:
         self.config = self.runner.config  # the attention backend may have raised block_size
         self.max_model_len = self._fit_max_model_len_to_pool(self.runner.num_kv_blocks)
         self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks)
+        # Requests that generate nothing run here, apart from the scheduler and the KV cache (prefill_lane.py).
+        self.lane = (PrefillLane(self.config.max_prefill_batch_tokens, self.config.max_prefill_batch_size)
+                     if self.config.prefill_lane else None)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Deadline-aware admission needs the continuous scheduler's step-by-step admission to predict.
         self.predictor = (TTFTPredictor(self.config.max_num_batched_tokens, self.config.max_num_seqs)
@@ -129,12 +133,18 @@ class LLMEngine:
         return capacity
 
     # -- requests ---------------------------------------------------------------------------------
-    def make_requests(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                      priority: int = 0, arrival_time: float | None = None) -> list[Request]:
-        """Validate and tokenize without touching the queue (safe from any thread)."""
+    def make_requests(self, request_id: str, prompt: PromptInput,
+                      params: SamplingParams | PoolingParams | None = None, priority: int = 0,
+                      arrival_time: float | None = None) -> list[Request]:
+        """Validate and tokenize without touching the queue (safe from any thread).
+
+        ``PoolingParams`` make an embedding request: prefill-only work whose output carries ``embedding``."""
         params = params or SamplingParams()
+        pool = isinstance(params, PoolingParams)
+        if pool:
+            params = params.sampling_params()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         text, token_ids = self._tokenize(prompt)
@@ -143,7 +153,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len and not params.prefill_only):
             raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
                              f"{self._max_model_len_note}: no room to generate")
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
@@ -152,16 +162,22 @@ class LLMEngine:
         # Sequences get internal ids nobody can choose, so a user id can never alias another's sequence.
         ids = [f"{next(self._sequence_ids)}" for _ in range(params.n)]
         return [Request(rid, token_ids, params, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                        prompt=text, priority=priority, parent_id=request_id, index=i, arrival_time=arrival_time)
+                        prompt=text, priority=priority, parent_id=request_id, index=i, arrival_time=arrival_time,
+                        pool=pool)
                 for i, rid in enumerate(ids)]
 
     def enqueue(self, requests: list[Request]) -> None:
         parent = requests[0].parent_id
         if parent in self._children:
             raise ValueError(f"request_id {parent!r} is already in use")
-        self._check_deadline(requests)
-        for request in requests:
-            self.scheduler.add(request)
+        if self.lane is not None and requests[0].prefill_only:
+            # No deadline prediction: the lane does not wait behind the scheduler's queue; its own deadline ends it.
+            for request in requests:
+                self.lane.add(request)
+        else:
+            self._check_deadline(requests)
+            for request in requests:
+                self.scheduler.add(request)
         self._children[parent] = requests
 
     def _expected_remaining(self, request: Request) -> int:
@@ -195,7 +211,7 @@ class LLMEngine:
                 f"{predicted:.3f} s with {num_ahead} requests ({tokens_ahead} tokens) queued ahead",
                 predicted_ttft_s=predicted, retry_after_s=predicted - max(0.0, allowed))
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         if request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -204,7 +220,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """End the request now: its blocks are free before the next step. Unknown ids are ignored."""
         for child in self._children.get(request_id, ()):
-            self.scheduler.abort(child.request_id)
+            if self.scheduler.abort(child.request_id) is None and self.lane is not None:
+                self.lane.abort(child.request_id)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -244,6 +261,10 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
             )
             result = self.runner.execute(batch, sampling)
+            if result.prompt_outputs:  # before update, which ends the prefill-only requests whose prompt is done
+                rows, add_prompt_outputs = scheduler.scheduled_requests(), self.output_processor.add_prompt_outputs
+                for row, prompt_output in result.prompt_outputs.items():
+                    add_prompt_outputs(rows[row], batch.start_positions[row], prompt_output)
             logprobs = result.logprobs
             logprobs_by_id = ({rid: lp for rid, lp in zip(batch.request_ids, logprobs) if lp is not None}
                               if logprobs.count(None) != len(logprobs) else None)
@@ -253,6 +274,8 @@ class LLMEngine:
                     scheduler.finish(request, "stop")  # a stop string ended it
             for request in advanced:
                 touched[request.parent_id] = None
+            for request in scheduler.drain_ended_without_token():  # prefill-only requests done in this step
+                touched[request.parent_id] = None
             self.num_generated_tokens += len(advanced)
             self.num_steps += 1
             if self.predictor is not None:
@@ -261,13 +284,16 @@ class LLMEngine:
                                        num_decode_rows)
             if self.num_steps % SAMPLE_EVERY == 0:
                 self._sample_kv(batch, time.perf_counter() - started)
+        if self.lane is not None and self.lane.has_work():
+            for request in self._run_prefill_lane():
+                touched[request.parent_id] = None
         outputs = []
         children_of, make_output = self._children, self.output_processor.make_output
         for parent in touched:
             output = make_output(children_of[parent])
             if output.finished:
                 for child in children_of.pop(parent):
-                    if child.finish_reason in ("stop", "length"):
+                    if child.finish_reason in ("stop", "length") and not child.prefill_only:
                         self._sum_output_lengths += child.num_output_tokens
                         self._num_output_lengths += 1
                 self.num_finished_requests += 1
@@ -275,6 +301,18 @@ class LLMEngine:
         if record is not None:
             listener(dataclasses.replace(record, duration_s=time.perf_counter() - started))
         return outputs
+
+    def _run_prefill_lane(self) -> list[Request]:
+        """One lane batch, after the scheduler's step (see prefill_lane.py for why); returns the lane requests
+        that ended in this step, aborted and timed-out ones included."""
+        lane = self.lane
+        batch = lane.next_batch()
+        if batch:
+            add_prompt_outputs = self.output_processor.add_prompt_outputs
+            for request, prompt_output in zip(batch, self.runner.execute_prefill(lane.batch_input(batch))):
+                add_prompt_outputs(request, 0, prompt_output)
+                lane.finish(request)
+        return batch + lane.drain_ended()
 
     def _record_step(self, batch: SchedulerOutput) -> StepRecord:
         """The state this step runs in, taken before the runner and ``update`` change it."""
@@ -310,6 +348,8 @@ class LLMEngine:
             "block_size": self.config.block_size,
             "max_num_seqs": self.config.max_num_seqs,
             "max_model_len": self.max_model_len,
+            "num_prefill_lane_waiting": len(self.lane.waiting) if self.lane is not None else 0,
+            "num_prefill_lane_batches": self.lane.num_batches if self.lane is not None else 0,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
             "num_swapped_out_bytes": self.scheduler.num_swapped_out_blocks * self.runner.kv_bytes_per_block,

@@ -19,10 +19,14 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import CausalLM
 from engine.models.loader import ModelSource, build_model
 from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import PrefillBatch, PromptRow, SchedulerOutput
 from kernels import BatchLayout, get_attention_backend
+from kernels.dense_prefill import DensePrefillMetadata
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+# Prompt logprobs need logits for every prompt position: they are computed this many bytes of
+# [rows, vocab] float32 at a time, so a long prompt never holds tokens x vocab logits at once.
+PROMPT_LOGITS_CHUNK_BYTES = 1 << 26
 
 
 @dataclass
@@ -38,9 +42,19 @@ class StepArrays:
 
 
 @dataclass
+class PromptOutput:
+    """What one prompt chunk handed back (``PromptRow``): the logprob of each prompt token it predicts, in
+    order, and the sum over its positions of the final-norm hidden state."""
+
+    logprobs: list[TokenLogprobs] | None
+    pooled_sum: torch.Tensor | None  # [hidden] float32 on the host
+
+
+@dataclass
 class RunnerOutput:
     sampled_token_ids: list[int | None]  # one per row; None for rows that do not sample
     logprobs: list[TokenLogprobs | None]  # one per row
+    prompt_outputs: dict[int, PromptOutput] = dataclasses.field(default_factory=dict)  # by row, for prompt_rows
 
 
 def resolve_device(name: str) -> torch.device:
@@ -208,7 +222,73 @@ class ModelRunner:
             for row, token_id, lp in zip(sample_rows, token_ids, token_logprobs):
                 sampled[row] = token_id
                 logprobs[row] = lp
-        return RunnerOutput(sampled, logprobs)
+        prompt_outputs = (self._prompt_outputs(hidden, batch.input_token_ids, batch.query_lens, batch.prompt_rows)
+                          if batch.prompt_rows else {})
+        return RunnerOutput(sampled, logprobs, prompt_outputs)
+
+    @torch.inference_mode()
+    def execute_prefill(self, batch: PrefillBatch) -> list[PromptOutput]:
+        """A prefill-only lane batch: whole prompts in one forward that touches no KV cache (no blocks,
+        no slots), attended by ``kernels.dense_prefill``. One output per prompt."""
+        query_lens = [len(ids) for ids in batch.token_ids]
+        flat = list(itertools.chain.from_iterable(batch.token_ids))
+        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in query_lens])).to(self.device)
+        hidden = self.model(input_ids, positions, None, DensePrefillMetadata(query_lens))
+        outputs = self._prompt_outputs(hidden, flat, query_lens, dict(enumerate(batch.rows)))
+        return [outputs[row] for row in range(len(query_lens))]
+
+    def _prompt_outputs(self, hidden: torch.Tensor, input_token_ids: list[int], query_lens: list[int],
+                        rows: dict[int, PromptRow]) -> dict[int, PromptOutput]:
+        """Prompt logprobs and pooled hidden states of the rows asking for them; ``hidden`` [num_tokens, hidden]."""
+        starts = np.cumsum([0, *query_lens[:-1]]).tolist()
+        pooled: dict[int, torch.Tensor] = {}
+        positions: list[int] = []  # flat token index of each position that predicts a prompt token
+        targets: list[int] = []  # the token it predicts
+        counts: dict[int, int] = {}
+        for row, work in rows.items():
+            start, end = starts[row], starts[row] + query_lens[row]
+            if work.pool:
+                pooled[row] = self.model.final_hidden(hidden[start:end]).float().sum(dim=0).cpu()
+            if work.num_top_logprobs is not None:
+                row_targets = input_token_ids[start + 1:end]
+                if work.next_token_id is not None:
+                    row_targets = [*row_targets, work.next_token_id]
+                positions.extend(range(start, start + len(row_targets)))
+                targets.extend(row_targets)
+                counts[row] = len(row_targets)
+        logprobs = self._token_logprobs(hidden, positions, targets,
+                                        max((w.num_top_logprobs or 0 for w in rows.values()), default=0))
+        out, taken = {}, 0
+        for row, work in rows.items():
+            row_logprobs = None
+            if row in counts:
+                row_logprobs = [(chosen, top[:work.num_top_logprobs])
+                                for chosen, top in logprobs[taken:taken + counts[row]]]
+                taken += counts[row]
+            out[row] = PromptOutput(row_logprobs, pooled.get(row))
+        return out
+
+    def _token_logprobs(self, hidden: torch.Tensor, positions: list[int], targets: list[int],
+                        num_top: int) -> list[TokenLogprobs]:
+        """For each position: (target, its logprob, its rank) and the ``num_top`` best (token, logprob), computed
+        in chunks of rows so that [rows, vocab] logits stay within ``PROMPT_LOGITS_CHUNK_BYTES``."""
+        chunk = max(1, PROMPT_LOGITS_CHUNK_BYTES // (4 * self.model_config.vocab_size))
+        result: list[TokenLogprobs] = []
+        for first in range(0, len(positions), chunk):
+            index = torch.tensor(positions[first:first + chunk], device=self.device)
+            wanted = torch.tensor(targets[first:first + chunk], device=self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]), dim=-1)  # [rows, vocab]
+            chosen = logprobs.gather(1, wanted[:, None])  # [rows, 1]
+            ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+            if num_top:
+                top_values, top_ids = logprobs.topk(num_top, dim=-1)
+                tops = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+            else:
+                tops = [[] for _ in ranks]
+            for token_id, value, rank, top in zip(wanted.tolist(), chosen[:, 0].tolist(), ranks, tops):
+                result.append(((token_id, value, rank), top))
+        return result
 
     def _prepare(self, batch: SchedulerOutput) -> StepArrays:
         bs = self.block_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from engine.model_runner import PromptOutput
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
@@ -15,6 +16,7 @@ _FINISHED = RequestStatus.FINISHED
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob entries name every token)
 
     def process_tokens(self, requests: list[Request],
                        logprobs_by_id: dict[str, TokenLogprobs] | None = None) -> list[Request]:
@@ -55,14 +57,33 @@ class OutputProcessor:
         return True
 
     def _append_logprobs(self, request: Request, token_logprobs: TokenLogprobs) -> None:
+        request.logprobs.append(self._logprob_entry(token_logprobs))
+        request.cumulative_logprob += token_logprobs[0][1]
+
+    def _logprob_entry(self, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
+        """The token's logprob and rank, then its top alternatives (rank 1 first), each with its text."""
         (token_id, logprob, rank), top = token_logprobs
-        decode = self.tokenizer.decode
-        entry = {token_id: Logprob(logprob, rank, decode([token_id], skip_special_tokens=False))}
+        text = self._token_text
+        entry = {token_id: Logprob(logprob, rank, text(token_id))}
         for r, (tid, lp) in enumerate(top, start=1):
             if tid not in entry:
-                entry[tid] = Logprob(lp, r, decode([tid], skip_special_tokens=False))
-        request.logprobs.append(entry)
-        request.cumulative_logprob += logprob
+                entry[tid] = Logprob(lp, r, text(tid))
+        return entry
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def add_prompt_outputs(self, request: Request, start: int, output: PromptOutput) -> None:
+        """A prompt chunk from position ``start``: its prompt tokens' logprobs and its pooled hidden states."""
+        if output.logprobs is not None:
+            assert len(request.prompt_logprobs) == start + 1, "prompt logprobs must arrive chunk after chunk"
+            request.prompt_logprobs.extend(self._logprob_entry(lp) for lp in output.logprobs)
+        if output.pooled_sum is not None:
+            pooled = request.pooled_sum
+            request.pooled_sum = output.pooled_sum if pooled is None else pooled + output.pooled_sum
 
     def make_output(self, children: list[Request]) -> RequestOutput:
         """Snapshot of a request (all ``n`` children) with what is new since the last snapshot."""
@@ -74,8 +95,11 @@ class OutputProcessor:
             completions = [_completion(child) for child in children]
             finished = all(c.is_finished for c in children)
         # Positional, in field order: keyword arguments cost twice as much, and this runs per request per step.
-        return RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
-                             first.metrics)
+        output = RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
+                               first.metrics, first.prompt_logprobs)
+        if first.pool and finished and first.pooled_sum is not None:
+            output.embedding = (first.pooled_sum / first.num_prompt_tokens).tolist()
+        return output
 
 
 

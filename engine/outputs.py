@@ -64,9 +64,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """A request's state after a step. ``prompt_logprobs`` (asked for with ``SamplingParams.prompt_logprobs``):
+    one entry per prompt position, None at position 0, complete in every output after the prompt is computed.
+    ``embedding`` (an embedding request, ``PoolingParams``): the mean over the prompt's positions of the
+    final-norm hidden state, in the finished output."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None

@@ -33,7 +33,8 @@ class Request:
         "all_token_ids", "params", "priority", "arrival_order", "num_computed_tokens", "status",
         "finish_reason", "stop_reason", "metrics", "deadline", "generator", "max_total_tokens",
         "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
-        "cumulative_logprob", "static_padding", "swapped_blocks", "aged",
+        "cumulative_logprob", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
+        "has_prompt_work",
     )
 
     def __init__(
@@ -49,6 +50,7 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
         arrival_time: float | None = None,
+        pool: bool = False,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -84,6 +86,15 @@ class Request:
         self.static_padding = False  # static mode: finished, but still holds its slot until the batch ends
         self.swapped_blocks: list[int] | None = None  # preempted by swapping: its KV's host blocks, in order
         self.aged = False  # waited max_queue_wait_s before its first admission: served first from then on
+        # Prompt outputs, filled chunk by chunk as the prompt is computed: logprobs of prompt positions
+        # 1.. (position 0 has none, hence the leading None), and for an embedding request (``pool``, prefill-only)
+        # the sum of the final-norm hidden states of the positions computed so far.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.pool = pool
+        self.pooled_sum: torch.Tensor | None = None  # [hidden] float32, on the host
+        # Whether the scheduler must look at this request's prompt chunks at all (the common request: never).
+        self.has_prompt_work = self.prompt_logprobs is not None or pool or self.prefill_only
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +111,25 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def prefill_only(self) -> bool:
+        """Generates nothing: done once its prompt is computed (scoring, embedding)."""
+        return self.max_total_tokens == self.num_prompt_tokens
+
+    def needs_prompt_outputs(self) -> bool:
+        """Its next chunk must hand back prompt logprobs or pooled hidden states (so no prefix-cache hit)."""
+        if self.pool:
+            return True
+        logprobs = self.prompt_logprobs
+        return logprobs is not None and len(logprobs) < len(self.prompt_token_ids)
+
+    def restart_prompt_outputs(self) -> None:
+        """Preempted for recomputation: the prompt is computed again from position 0, so unfinished prompt
+        outputs start over (finished prompt logprobs stay: they are not computed again)."""
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids):
+            self.prompt_logprobs = [None]
+        self.pooled_sum = None
 
     def append_token(self, token_id: int) -> bool:
         """Add a sampled token and apply the token-level stop rules; True if the request ended.

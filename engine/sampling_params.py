@@ -19,12 +19,15 @@ class SamplingParams:
     top_k: int = 0  # 0 (or -1) means no top-k cut
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to max_model_len
+    max_tokens: int | None = 16  # None: up to max_model_len; 0: prefill-only (prompt scoring, see prompt_logprobs)
     min_tokens: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
+    # Logprobs of the prompt's own tokens (position 0 has none), with this many top alternatives each (0: only the
+    # prompt token's). Requests that compute them skip the prefix cache: cached tokens have no logits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     timeout_s: float | None = None  # deadline from arrival: queueing, prefill and decode
     # Refuse at admission (DeadlineUnmeetableError) when the first token is predicted past the deadline.
@@ -60,8 +63,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            raise bad("max_tokens", "must be an integer >= 0 or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -72,10 +75,25 @@ class SamplingParams:
             raise bad("stop_token_ids", "must hold non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20] or None")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20] or None")
+        if self.max_tokens == 0:  # prefill-only: nothing is sampled, so nothing about sampling may be asked for
+            if self.logprobs is not None:
+                raise bad("logprobs", "must be None when max_tokens is 0 (no token is generated; "
+                                      "use prompt_logprobs to score the prompt)")
+            if self.n != 1:
+                raise bad("n", "must be 1 when max_tokens is 0 (every sequence would be the prompt alone)")
         if not isinstance(self.reject_unmeetable_deadline, bool):
             raise bad("reject_unmeetable_deadline", "must be true or false")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise bad("timeout_s", "must be > 0 or None")
+
+    @property
+    def prefill_only(self) -> bool:
+        """No token is generated: the request is its prompt's forward (logprobs, or pooled states) alone."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:
@@ -90,3 +108,28 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return SamplingParams(**values)
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: the mean over the prompt's positions of the final-norm hidden state.
+
+    Nothing is generated; the engine runs it as prefill-only work (the prefill lane, when on).
+    """
+
+    timeout_s: float | None = None  # deadline from arrival
+    reject_unmeetable_deadline: bool = True
+
+    def __post_init__(self) -> None:
+        timeout_s = self.timeout_s
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        if not isinstance(self.reject_unmeetable_deadline, bool):
+            raise ValueError("reject_unmeetable_deadline must be true or false, "
+                             f"got {self.reject_unmeetable_deadline!r}")
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's view: a prefill-only request with the same deadline."""
+        return SamplingParams(max_tokens=0, timeout_s=self.timeout_s,
+                              reject_unmeetable_deadline=self.reject_unmeetable_deadline)

@@ -15,7 +15,7 @@ from engine.block_pool import BlockPool, KVCacheManager, KVCacheStats
 from engine.config import EngineConfig
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import PromptRow, SchedulerOutput
 
 
 class Scheduler:
@@ -39,7 +39,9 @@ class Scheduler:
         self._scheduled_requests: list[Request] = []
         self._scheduled_counts: list[int] = []
         self._num_with_deadline = 0
-        self._ended_without_token: list[Request] = []  # aborted or timed out since the last drain
+        self._num_with_prompt_work = 0  # requests here with Request.has_prompt_work (prompt outputs, or no generation)
+        # aborted, timed out, or prefill-only and done (they end without producing a token) since the last drain
+        self._ended_without_token: list[Request] = []
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache at admission
@@ -73,6 +75,8 @@ class Scheduler:
         self.waiting.append(request)
         if request.deadline is not None:
             self._num_with_deadline += 1
+        if request.has_prompt_work:
+            self._num_with_prompt_work += 1
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -92,6 +96,8 @@ class Scheduler:
         request.metrics.finished_time = time.time()
         if request.deadline is not None:
             self._num_with_deadline -= 1
+        if request.has_prompt_work:
+            self._num_with_prompt_work -= 1
         self.requests.pop(request.request_id, None)
         if request.swapped_blocks is not None:  # ended while swapped out: its host copy is no longer needed
             self.swap_pool.free(request.swapped_blocks)
@@ -168,12 +174,28 @@ class Scheduler:
                     now = now or time.time()
                     metrics.first_scheduled_time = now
             add_table(tables[request.request_id])
+        if self._num_with_prompt_work:
+            self._add_prompt_rows(out, requests)
         if requests and (self._swap_out or self._swap_in):
             # Copies ride with a batch that has rows: only a forward could overwrite the blocks they read.
             out.swap_out, out.swap_in, self._swap_out, self._swap_in = self._swap_out, self._swap_in, [], []
             self.swap_pool.free(self._host_blocks_read)
             self._host_blocks_read = []
         return out
+
+    @staticmethod
+    def _add_prompt_rows(out: SchedulerOutput, requests: list[Request]) -> None:
+        """Prefill-only rows sample nothing; rows that owe prompt logprobs or pooled states say so."""
+        for row, request in enumerate(requests):
+            if not request.has_prompt_work or request.static_padding:
+                continue
+            end = out.start_positions[row] + out.query_lens[row]
+            if request.prefill_only:
+                out.sample[row] = False
+            if request.needs_prompt_outputs():
+                prompt = request.prompt_token_ids
+                num_top = request.params.prompt_logprobs if request.prompt_logprobs is not None else None
+                out.prompt_rows[row] = PromptRow(num_top, request.pool, prompt[end] if end < len(prompt) else None)
 
     def update(self, sampled_token_ids: list[int | None]) -> list[Request]:
         """Apply the runner's results: advance computed tokens, append samples, end finished requests.
@@ -193,6 +215,10 @@ class Scheduler:
             if caching and computed >= (num_hashed_blocks(request.request_id) + 1) * block_size:
                 kv.cache_computed_blocks(request.request_id, request.all_token_ids, computed)
             if token_id is None:
+                if computed == request.max_total_tokens:  # a prefill-only request's last chunk: it is done
+                    request.finish_reason = "length"
+                    finished.append(request)
+                    self._ended_without_token.append(request)
                 continue  # a prefill chunk that is not the last one
             add_advanced(request)
             if request.append_token(token_id):
@@ -314,7 +340,7 @@ class ContinuousScheduler(Scheduler):
             if request in preempted_now:
                 break  # it just made room for a better request that still does not fit: let blocks free up first
             hit = 0
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and not (request.has_prompt_work and request.needs_prompt_outputs()):
                 hit = kv.match_prefix(request.request_id, request.all_token_ids)
                 request.num_computed_tokens = hit
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -372,6 +398,8 @@ class ContinuousScheduler(Scheduler):
         else:
             self.num_recomputed_tokens += request.num_computed_tokens
             request.num_computed_tokens = 0
+            if request.has_prompt_work:
+                request.restart_prompt_outputs()
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         self._requeue(request)

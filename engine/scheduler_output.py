@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class PromptRow(NamedTuple):
+    """What a prompt chunk hands back besides (or instead of) a sampled token."""
+
+    num_top_logprobs: int | None  # logprobs of the prompt tokens the chunk predicts, with this many alternatives
+    pool: bool  # the sum of the chunk's final-norm hidden states (an embedding request)
+    next_token_id: int | None  # the prompt token after the chunk, which its last position predicts; None at the end
 
 
 @dataclass
@@ -27,6 +36,8 @@ class SchedulerOutput:
     # the device for preempted requests, then (host block, device block) pairs of resumed ones.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Rows (by index) of requests that want prompt logprobs or pooled hidden states from this chunk.
+    prompt_rows: dict[int, PromptRow] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -39,6 +50,19 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.request_ids
+
+
+@dataclass
+class PrefillBatch:
+    """One prefill-only lane batch: whole prompts, each from position 0, computed without the KV cache."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    rows: list[PromptRow]  # what each prompt hands back (its ``next_token_id`` is None: the prompt is whole)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.token_ids))
 
 
 @dataclass(frozen=True)

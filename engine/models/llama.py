@@ -17,6 +17,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.rope import RotaryEmbedding, apply_rope
 from kernels import AttentionBackend
+from kernels.dense_prefill import dense_prefill_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the step's positions
@@ -74,7 +75,9 @@ class Attention(nn.Module):
         ops = fused_ops(backend)
         self.rope = ops.apply_rope if ops is not None else apply_rope
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache | None, metadata: Any) -> torch.Tensor:
+        """With ``kv_cache`` None (``metadata`` a ``DensePrefillMetadata``) the batch is whole prompts that touch
+        no cache; otherwise the backend stores the new K/V and attends through the paged cache."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -86,9 +89,12 @@ class Attention(nn.Module):
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = self.rope(qk, *rope)  # q and k heads rotated in one pass
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        k_cache, v_cache = kv_cache
-        self.backend.store_kv(k, v, k_cache, v_cache, metadata)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
+        if kv_cache is None:  # a prefill-only lane batch: whole prompts whose K/V nobody reads again
+            out = dense_prefill_attention(q, k, v, metadata, self.scale)
+        else:
+            k_cache, v_cache = kv_cache
+            self.backend.store_kv(k, v, k_cache, v_cache, metadata)
+            out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -117,7 +123,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache | None,
                 metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): each residual add is fused into the
         norm that follows it; the caller adds the last one."""
@@ -153,14 +159,21 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache] | None,
                 metadata: Any) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] before the final norm. ``kv_caches`` None: a prefill-only lane
+        batch (``metadata`` is a ``DensePrefillMetadata``), attended without any cache."""
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         rope = self.rotary.tables(positions)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        caches = kv_caches if kv_caches is not None else [None] * len(self.model.layers)
+        for layer, kv_cache in zip(self.model.layers, caches):
             x, residual = layer(x, residual, rope, kv_cache, metadata)
         return x + residual
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm: what transformers calls ``last_hidden_state`` (embeddings pool it)."""
+        return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()  # [num_rows, vocab]

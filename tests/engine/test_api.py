@@ -129,7 +129,7 @@ def test_max_model_len_over_the_model_limit_is_rejected():
 
 @pytest.mark.parametrize("name,value", [
     ("n", 0), ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
-    ("top_k", -2), ("top_k", 2.5), ("min_p", 1.5), ("min_p", -0.1), ("seed", 1.5), ("max_tokens", 0),
+    ("top_k", -2), ("top_k", 2.5), ("min_p", 1.5), ("min_p", -0.1), ("seed", 1.5), ("max_tokens", -1),
     ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", -1),
     ("timeout_s", 0),
 ])
