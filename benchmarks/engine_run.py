@@ -18,7 +18,7 @@ from benchmarks.metrics import (
     EngineLimits, KVDiagnosis, StepSample, TokenWaste, diagnose_kv, summarize, summarize_steps,
     useful_computed_tokens,
 )
-from benchmarks.workloads import BenchRequest, sampling_params
+from benchmarks.workloads import BenchRequest, request_params
 
 
 @dataclass
@@ -117,7 +117,7 @@ def run_engine(engine, requests: Sequence[BenchRequest], arrivals_s: Sequence[fl
             while next_up < len(requests) or engine.has_unfinished_requests():
                 while next_up < len(requests) and arrivals[next_up] <= clock:
                     request = requests[next_up]
-                    engine.add_request(str(next_up), request.prompt_token_ids, sampling_params(request.max_tokens))
+                    engine.add_request(str(next_up), request.prompt_token_ids, request_params(request))
                     next_up += 1
                 if not engine.has_unfinished_requests():
                     clock = arrivals[next_up]  # idle: jump to the next arrival
@@ -126,7 +126,8 @@ def run_engine(engine, requests: Sequence[BenchRequest], arrivals_s: Sequence[fl
                 clock += records[-1].duration_s
                 for output in outputs:
                     i = int(output.request_id)
-                    if first_token[i] is None and output.outputs[0].token_ids:
+                    # (a request that generates nothing has its "first token" when it is done)
+                    if first_token[i] is None and (output.outputs[0].token_ids or output.finished):
                         first_token[i] = clock
                     if output.finished:
                         finished[i] = clock

@@ -7,6 +7,11 @@ request arrive at t=0; a ``--trace`` replays its arrival times (ours only; on th
 ``benchmarks.engine_run``). All systems get the same KV budget (default 8 x 1,000 tokens). With
 ``--repeats`` every system runs that many times, interleaved, and its median run is reported (the
 machine may be shared: a burst of other work then hits all systems alike, and the median leaves it out).
+``--rate`` has a named workload's requests arrive as a Poisson process instead of all at t=0.
+
+``--workload prefill-only`` compares other systems: ``lane`` and ``mixed``, continuous batching with the
+prefill lane on and off, on generation requests with prompt-scoring and embedding requests among them,
+and reports what that is about (see ``benchmarks.prefill_only``).
 
 Reported per system: useful output tokens/s (each request's own output length over the time from the
 first arrival to the last completion: tokens a static batch computes past a member's end do not count),
@@ -27,6 +32,8 @@ from typing import Any, Sequence
 
 import torch
 
+from benchmarks import prefill_only
+from benchmarks.arrivals import arrival_times
 from benchmarks.engine_run import EngineRun, run_engine
 from benchmarks.hf_baselines import BASELINES, BaselineRun, quiet_transformers, run_hf_cb, run_hf_static
 from benchmarks.metrics import TokenWaste, summarize, useful_computed_tokens
@@ -91,6 +98,13 @@ def run_system(system: str, model_path: str, requests, arrivals, args) -> System
     if system in MODES:
         run = run_engine(make_engine(model_path, system, args), requests, arrivals, desc=system)
         return from_engine_run(system, run)
+    if system in prefill_only.SYSTEMS:
+        engine = make_engine(model_path, "continuous", args, prefill_lane=system == "lane")
+        started = time.perf_counter()
+        run = run_engine(engine, requests, arrivals, desc=system)
+        result = from_engine_run(system, run)
+        result.extra["wall_s"] = time.perf_counter() - started
+        return result
     runner = run_hf_static if system == "hf-static" else run_hf_cb
     return from_baseline_run(runner(model_path, requests, args), requests)
 
@@ -184,6 +198,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
                         help="transformers baselines on the same model: hf = both hf-static and hf-cb")
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="runs of every system, interleaved; each system's median run is reported")
+    parser.add_argument("--rate", type=float, metavar="REQ_PER_S",
+                        help="a named workload's requests arrive as a Poisson process at this rate (default: all at 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--plot", metavar="PATH.png", help="also draw throughput, latency CDF and KV utilisation")
     args = parser.parse_args(argv)
@@ -195,6 +211,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     if not args.systems:
         parser.error("--batching none with --baselines none leaves nothing to run")
     requests, arrivals, name = workload_from_args(parser, args)
+    if args.rate is not None:
+        if args.trace:
+            parser.error("--rate: a --trace brings its own arrival times")
+        if not args.rate > 0:
+            parser.error(f"--rate must be > 0 requests/s, got {args.rate}")
+        arrivals = arrival_times(len(requests), args.rate, seed=args.seed)
+    if name == "prefill-only":  # its own comparison: the prefill lane on and off, both continuous
+        if args.baselines != "none":
+            parser.error("--baselines: transformers has no prefill-only requests to compare with the lane")
+        args.systems = list(prefill_only.SYSTEMS)
     if arrivals is not None and any(arrivals) and args.baselines != "none":
         parser.error("--baselines: transformers' runs take every request at t=0 but --trace has later arrivals")
     return args, requests, arrivals, name
@@ -219,7 +245,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratio_rows = ratios(results)
     loads = (load_start, load_average())
     workload = describe_workload(requests)
-    print_report(results, runs, ratio_rows, workload, name, loads, args)
+    lane_summaries = ({s: prefill_only.lane_summary(r.engine_run, r.extra.get("wall_s")) for s, r in results.items()}
+                      if name == "prefill-only" else None)
+    if lane_summaries is not None:
+        print(f"\nworkload {name}: {workload['num_requests']} requests ({workload['num_prefill_only']} prefill-only), "
+              f"{workload['prompt_tokens']} prompt tokens, {workload['output_tokens']} output tokens; "
+              f"arrivals {'Poisson at %g req/s' % args.rate if args.rate else 'all at 0'}; KV budget "
+              f"{args.kv_budget_tokens} tokens; torch threads {torch.get_num_threads()}; load average "
+              f"{loads[0]} at start, {loads[1]} at end")
+        prefill_only.print_lane_report(lane_summaries)
+    else:
+        print_report(results, runs, ratio_rows, workload, name, loads, args)
     if args.plot:
         plot(results, name, args.plot)
     write_json(args.json, {
@@ -232,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tokens_per_s_by_repeat": {s: [r.tokens_per_s for r in rs] for s, rs in runs.items()},
         "latencies_s": {s: r.latencies_s for s, r in results.items()},
         "ratios": ratio_rows,
+        "prefill_lane": lane_summaries,
     })
     return 0
 

@@ -4,7 +4,8 @@
   4 KV heads, intermediate 688, vocab 4096, 2048 positions, fp32) with transformers, plus a
   4096-entry word-level tokenizer, into a cache directory (built once, then reused).
 * ``WORKLOADS`` names the request mixes (``seed`` is the seed document's: prompts of 50-800 tokens
-  asking for 20-200 output tokens each); ``build_workload`` draws one, reproducibly from a seed;
+  asking for 20-200 output tokens each; ``prefill-only`` puts prompt-scoring and embedding requests,
+  which generate nothing, among the seed's); ``build_workload`` draws one, reproducibly from a seed;
   ``trace_workload`` turns a JSONL trace (``benchmarks.arrivals``) into requests and arrival times.
 * ``engine_args`` is the KV budget every system gets: 8 x 1,000 = 8,000 tokens.
 * ``add_workload_args`` and ``add_engine_args`` are the flags the benchmarks share; ``workload_from_args``
@@ -20,7 +21,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 
@@ -100,10 +101,17 @@ def build_tokenizer():
 
 
 # -- workloads ------------------------------------------------------------------------------------
+RequestKind = Literal["generate", "score", "embed"]
+PROMPT_LOGPROBS = 1  # what a scoring request asks for: each prompt token's logprob and the top alternative
+
+
 @dataclass(frozen=True)
 class BenchRequest:
+    """``score`` and ``embed`` requests generate nothing (``max_tokens`` 0): prompt logprobs, or an embedding."""
+
     prompt_token_ids: list[int]
     max_tokens: int
+    kind: RequestKind = "generate"
 
     @property
     def prompt_len(self) -> int:
@@ -128,6 +136,8 @@ class WorkloadSpec:
     prompt_lens: tuple[int, int]
     output_lens: tuple[int, int] | None
     output_cycle: tuple[int, ...] = ()
+    # every other request generates nothing: scoring (prompt logprobs) and embedding in turn
+    prefill_only_mix: bool = False
 
 
 WORKLOADS = {
@@ -138,8 +148,11 @@ WORKLOADS = {
     "uniform": WorkloadSpec("similar lengths: prompts 300-500 tokens, outputs 90-110", (300, 500), (90, 110)),
     "fixed": WorkloadSpec("equal lengths, static batching's best case: prompts of 400 tokens, outputs of 100",
                           (400, 400), (100, 100)),
-    "prefill-only": WorkloadSpec("one output token per prompt of 50-800 (the seed's pitfall 3: static can win)",
-                                 PROMPT_LEN_RANGE, (1, 1)),
+    "one-token": WorkloadSpec("one output token per prompt of 50-800 (the seed's pitfall 3: static can win)",
+                              PROMPT_LEN_RANGE, (1, 1)),
+    "prefill-only": WorkloadSpec("the seed's mix, every other request replaced by prompt scoring or an embedding "
+                                 "(no output; the prefill lane vs mixed, see benchmarks.prefill_only)",
+                                 PROMPT_LEN_RANGE, OUTPUT_LEN_RANGE, prefill_only_mix=True),
 }
 
 
@@ -155,7 +168,12 @@ def build_workload(name: str, num_requests: int, seed: int = 0, prompt_lens: Seq
         requests = seed_workload(num_requests, seed, prompt_lens or spec.prompt_lens, (1, 1))
         return [BenchRequest(r.prompt_token_ids, spec.output_cycle[i % len(spec.output_cycle)])
                 for i, r in enumerate(requests)]
-    return seed_workload(num_requests, seed, prompt_lens or spec.prompt_lens, output_lens or spec.output_lens)
+    requests = seed_workload(num_requests, seed, prompt_lens or spec.prompt_lens, output_lens or spec.output_lens)
+    if spec.prefill_only_mix:  # odd requests: score, embed, score, ...
+        kinds = ("score", "embed")
+        return [r if i % 2 == 0 else BenchRequest(r.prompt_token_ids, 0, kinds[(i // 2) % 2])
+                for i, r in enumerate(requests)]
+    return requests
 
 
 def trace_workload(entries: Sequence[TraceEntry], seed: int = 0) -> tuple[list[BenchRequest], list[float]]:
@@ -177,28 +195,32 @@ def describe_workload(requests: Sequence[BenchRequest]) -> dict[str, Any]:
     outputs = [r.max_tokens for r in requests]
     return {"num_requests": len(requests), "prompt_tokens": int(sum(prompts)), "output_tokens": int(sum(outputs)),
             "mean_prompt_len": float(np.mean(prompts)) if prompts else 0.0,
-            "mean_output_len": float(np.mean(outputs)) if outputs else 0.0}
+            "mean_output_len": float(np.mean(outputs)) if outputs else 0.0,
+            "num_prefill_only": sum(r.kind != "generate" for r in requests)}
 
 
 # -- our engine -----------------------------------------------------------------------------------
 def engine_args(batching: str, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                threads: int | None = None, num_kv_blocks: int = NUM_KV_BLOCKS) -> dict[str, Any]:
+                threads: int | None = None, num_kv_blocks: int = NUM_KV_BLOCKS,
+                prefill_lane: bool = True) -> dict[str, Any]:
     """Engine arguments for the benchmark: CPU, fp32, by default the 8,000-token KV budget."""
     return dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, batching=batching,
-                num_threads=threads)
+                num_threads=threads, prefill_lane=prefill_lane)
 
 
-def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None = None):
+def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None = None, prefill_lane: bool = True):
     """Our engine in one batching mode, warmed up. Unless ``max_num_seqs`` is given, static batching has
     ``--static-batch-size`` slots (8 x 1,000 tokens of KV: the same batch of 8 as transformers' static run)
-    and continuous ``--max-num-seqs``; both get the same KV budget."""
+    and continuous ``--max-num-seqs``; both get the same KV budget. ``prefill_lane``: requests that generate
+    nothing take the prefill lane (True) or the scheduler and the paged cache ("mixed")."""
     from engine import LLMEngine
 
     if max_num_seqs is None:
         max_num_seqs = args.static_batch_size if batching == "static" else args.max_num_seqs
     budget = max(args.max_num_batched_tokens, max_num_seqs)  # the engine needs a token per slot at least
-    engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, budget, args.threads, kv_blocks(args)))
+    engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, budget, args.threads, kv_blocks(args),
+                                                 prefill_lane))
     warm_up_engine(engine)
     return engine
 
@@ -213,6 +235,17 @@ def sampling_params(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def request_params(request: BenchRequest):
+    """What the engine is given for ``request``: greedy generation, prompt scoring, or an embedding."""
+    from engine import PoolingParams, SamplingParams
+
+    if request.kind == "score":
+        return SamplingParams(max_tokens=0, prompt_logprobs=PROMPT_LOGPROBS)
+    if request.kind == "embed":
+        return PoolingParams()
+    return sampling_params(request.max_tokens)
+
+
 def drain(engine) -> list:
     """Step ``engine`` until it is idle; return the finished outputs."""
     finished = []
@@ -222,8 +255,10 @@ def drain(engine) -> list:
 
 
 def warm_up_engine(engine) -> None:
-    for i, request in enumerate(warmup_workload()):
-        engine.add_request(f"warmup-{i}", request.prompt_token_ids, sampling_params(request.max_tokens))
+    prefill_only = [BenchRequest(list(range(FIRST_WORD_ID + 200, FIRST_WORD_ID + 230)), 0, "score"),
+                    BenchRequest(list(range(FIRST_WORD_ID + 300, FIRST_WORD_ID + 320)), 0, "embed")]
+    for i, request in enumerate(warmup_workload() + prefill_only):
+        engine.add_request(f"warmup-{i}", request.prompt_token_ids, request_params(request))
     drain(engine)
 
 
