@@ -2,10 +2,13 @@
 
 Measures, side by side in one run, on the built-in demo-tiny model with the demo config's engine
 arguments:
-  * time to first token at 1 stream (sequential requests) and at 64 concurrent streams, for
-    AsyncLLMEngine in this process and for HTTP streaming through the Router and LLMReplica;
-  * output tokens/s at 64 concurrent streams through HTTP, against the engine's offline
-    throughput (``LLM.generate``) on the same requests.
+  * time to first token at 1 stream (sequential requests) for AsyncLLMEngine in this process and
+    for HTTP streaming through the proxy, the Router and one LLMReplica;
+  * 64 concurrent streams, each sending ``--requests-per-stream`` requests one after another (a
+    closed loop, as a benchmark with a concurrency limit runs): TTFT and output tokens/s, directly
+    and through HTTP, against the engine's offline throughput (``LLM.generate``) on the same requests.
+``--engine no-work`` puts ``benchmarks.no_work_engine`` behind the same Router and LLMReplica: what
+Ray Serve, HTTP and our serving code cost on this machine with no model at all (the floor).
 Targets (issue 3): <= 10 ms TTFT added at p50 with 1 stream; >= 80% of offline throughput at 64 streams.
 """
 
@@ -16,6 +19,7 @@ import asyncio
 import os
 import statistics
 import time
+from typing import Awaitable, Callable
 
 import httpx
 from tqdm import tqdm
@@ -25,6 +29,7 @@ from benchmarks.report import format_table, write_json
 
 ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
 BASE_URL = "http://127.0.0.1:8000"
+BARE_URL = f"{BASE_URL}/bare"  # --engine no-work: the bare Ray Serve path beside ours
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -36,18 +41,19 @@ def p50(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-async def run_all(one, batch: list, concurrent: bool) -> tuple[list, float]:
-    """``one(item)`` for every item, all at once or one after another; returns (results, wall seconds)."""
+async def closed_loop(one: Callable[[list[int]], Awaitable[tuple]], streams: list[list[list[int]]]) -> tuple[list, float]:
+    """Each stream sends its prompts one after another, all streams at once; returns (results, wall seconds)."""
+    async def stream(batch: list[list[int]]) -> list:
+        return [await one(prompt) for prompt in batch]
+
     start = time.perf_counter()
-    if concurrent:
-        results = await asyncio.gather(*(one(item) for item in batch))
-    else:
-        results = [await one(item) for item in batch]
-    return list(results), time.perf_counter() - start
+    per_stream = await asyncio.gather(*(stream(batch) for batch in streams))
+    return [r for results in per_stream for r in results], time.perf_counter() - start
 
 
 # -- the engine directly ------------------------------------------------------------------------------
-async def engine_ttfts(engine, batch: list[list[int]], max_tokens: int, concurrent: bool) -> tuple[list[float], float]:
+async def engine_run(engine, streams: list[list[list[int]]], max_tokens: int) -> tuple[list[float], float]:
+    """(TTFTs, output tokens/s) of ``streams`` through an AsyncLLMEngine."""
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
@@ -61,7 +67,7 @@ async def engine_ttfts(engine, batch: list[list[int]], max_tokens: int, concurre
             tokens = len(out.outputs[0].token_ids)
         return ttft, tokens
 
-    results, wall = await run_all(one, batch, concurrent)
+    results, wall = await closed_loop(one, streams)
     return [t for t, _ in results], sum(n for _, n in results) / wall
 
 
@@ -77,17 +83,20 @@ def offline_tokens_per_s(batch: list[list[int]], max_tokens: int, threads: int) 
 
 
 # -- through Ray Serve and HTTP --------------------------------------------------------------------------
-async def http_ttfts(batch: list[list[int]], max_tokens: int, concurrent: bool) -> tuple[list[float], float, int]:
+async def http_run(streams: list[list[list[int]]], max_tokens: int,
+                   base_url: str = BASE_URL) -> tuple[list[float], float, int]:
+    """(TTFTs, output tokens/s, failed requests) of ``streams`` through the server's /v1/completions."""
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=256)) as client:
         async def one(prompt):
-            return await stream_completion(client, BASE_URL, "demo-tiny", prompt, max_tokens, ignore_eos=True,
+            return await stream_completion(client, base_url, "demo-tiny", prompt, max_tokens, ignore_eos=True,
                                            temperature=0)
-        results, wall = await run_all(one, batch, concurrent)
+        results, wall = await closed_loop(one, streams)
     errors = sum(not r.ok for r in results)
     return [r.ttft_s for r in results if r.ok], sum(r.num_tokens for r in results) / wall, errors
 
 
-def start_server(threads: int):
+def start_server(threads: int, no_work: bool, max_messages_per_s: float | None) -> None:
+    """The demo config's deployments (access logs off, as configs/demo.yaml has them) on port 8000."""
     import ray
     from ray import serve
 
@@ -96,19 +105,31 @@ def start_server(threads: int):
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
-    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000}, logging_config={"enable_access_log": False})
+    extra = {"max_messages_per_s": max_messages_per_s} if max_messages_per_s else {}
     config = AppConfig(model="demo-tiny", engine_args={**ENGINE_ARGS, "num_threads": threads},
-                       max_pending_requests=512, max_queued_requests_per_replica=256)
-    serve.run(make_app(config), name="overhead", route_prefix="/")
+                       max_pending_requests=512, max_queued_requests_per_replica=256, **extra)
+    engine_cls = None
+    if no_work:
+        from benchmarks.bare_serve import bare_serve_app
+        from benchmarks.no_work_engine import NoWorkEngine
+
+        engine_cls = NoWorkEngine
+        serve.run(bare_serve_app(), name="bare", route_prefix="/bare")
+    serve.run(make_app(config, engine_cls=engine_cls), name="overhead", route_prefix="/")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("real", "no-work"), default="real")
     parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--requests-per-stream", type=int, default=4, help="at --streams concurrent streams")
     parser.add_argument("--single-requests", type=int, default=20, help="sequential requests for the 1-stream TTFT")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="engine torch threads (the demo config uses 1)")
+    parser.add_argument("--max-messages-per-s", type=float, default=None, help="the replica's message budget "
+                        "(default: the app's)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
 
@@ -116,52 +137,80 @@ def main() -> None:
 
     from engine import AsyncLLMEngine
 
-    single = prompts(args.single_requests, args.prompt_len)
-    many = prompts(args.streams, args.prompt_len)
-    rows, results = [], {}
-    with tqdm(total=5, desc="serving overhead") as bar:
+    single = [[p] for p in prompts(args.single_requests, args.prompt_len)]
+    many = prompts(args.streams * args.requests_per_stream, args.prompt_len)
+    streams = [many[i::args.streams] for i in range(args.streams)]
+    real = args.engine == "real"
+    nan = float("nan")
+    e1, e64, e64_tps, offline = [nan], [nan], nan, nan
+    with tqdm(total=5 if real else 2, desc="serving overhead") as bar:
         torch.set_num_threads(args.threads)
+        if real:
+            async def direct():
+                engine = AsyncLLMEngine("demo-tiny", num_threads=args.threads, **ENGINE_ARGS)
+                await engine_run(engine, single[:2], 4)  # warm-up
+                one = await engine_run(engine, single, args.max_tokens)
+                bar.update()
+                many_ = await engine_run(engine, streams, args.max_tokens)
+                bar.update()
+                await engine.shutdown()
+                return one, many_
 
-        async def direct():
-            engine = AsyncLLMEngine("demo-tiny", num_threads=args.threads, **ENGINE_ARGS)
-            await engine_ttfts(engine, single[:2], 4, concurrent=False)  # warm-up
-            one = await engine_ttfts(engine, single, args.max_tokens, concurrent=False)
+            (e1, _), (e64, e64_tps) = asyncio.run(direct())
+            offline = offline_tokens_per_s(many, args.max_tokens, args.threads)
             bar.update()
-            many_ = await engine_ttfts(engine, many, args.max_tokens, concurrent=True)
-            bar.update()
-            await engine.shutdown()
-            return one, many_
+        start_server(args.threads, not real, args.max_messages_per_s)
+        asyncio.run(http_run(single[:2], 4))  # warm-up
+        if real:
+            h1, _, err1 = asyncio.run(http_run(single, args.max_tokens))
+        else:  # ours and the bare path in turn, request by request: drift on a shared machine hits both
+            asyncio.run(http_run(single[:2], 4, BARE_URL))
+            pairs = [(asyncio.run(http_run([p], args.max_tokens)), asyncio.run(http_run([p], args.max_tokens, BARE_URL)))
+                     for p in single]
+            h1 = [t for ours, _ in pairs for t in ours[0]]
+            e1 = [t for _, bare in pairs for t in bare[0]]
+            err1 = sum(ours[2] + bare[2] for ours, bare in pairs)
+        bar.update()
+        h64, h64_tps, err64 = asyncio.run(http_run(streams, args.max_tokens))
+        if not real:
+            e64, e64_tps, bare_errors = asyncio.run(http_run(streams, args.max_tokens, BARE_URL))
+            err64 += bare_errors
+        bar.update()
 
-        (e1, _), (e64, e64_tps) = asyncio.run(direct())
-        offline = offline_tokens_per_s(many, args.max_tokens, args.threads)
-        bar.update()
-        start_server(args.threads)
-        asyncio.run(http_ttfts(single[:2], 4, concurrent=False))  # warm-up
-        h1, _, err1 = asyncio.run(http_ttfts(single, args.max_tokens, concurrent=False))
-        bar.update()
-        h64, h64_tps, err64 = asyncio.run(http_ttfts(many, args.max_tokens, concurrent=True))
-        bar.update()
-
+    added = (p50(h1) - p50(e1)) * 1e3
+    share = h64_tps / offline
     results = {
+        "engine": args.engine,
+        # with --engine no-work, "engine_*" is the bare Ray Serve path (benchmarks.no_work_engine.bare_serve_app)
         "ttft_p50_ms": {"engine_1": p50(e1) * 1e3, "http_1": p50(h1) * 1e3,
                         "engine_64": p50(e64) * 1e3, "http_64": p50(h64) * 1e3},
         "tokens_per_s": {"offline": offline, "engine_64": e64_tps, "http_64": h64_tps},
         "errors": {"http_1": err1, "http_64": err64},
+        "ttft_added_ms_1_stream": added, "http_share_of_offline": share, "config": vars(args),
+        "engine_args": ENGINE_ARGS, "load_average": os.getloadavg(),
     }
-    added = results["ttft_p50_ms"]["http_1"] - results["ttft_p50_ms"]["engine_1"]
-    share = h64_tps / offline
+    base = "engine" if real else "bare Serve"
     rows = [["1 stream", f"{p50(e1) * 1e3:.1f}", f"{p50(h1) * 1e3:.1f}", f"{added:.1f}", "", ""],
             [f"{args.streams} streams", f"{p50(e64) * 1e3:.1f}", f"{p50(h64) * 1e3:.1f}",
              f"{(p50(h64) - p50(e64)) * 1e3:.1f}", f"{e64_tps:.0f}", f"{h64_tps:.0f}"]]
     print()
-    print(format_table(["load", "engine TTFT p50 ms", "HTTP TTFT p50 ms", "added ms", "engine tok/s", "HTTP tok/s"],
-                       rows))
-    print(f"\noffline throughput {offline:.0f} tok/s; HTTP at {args.streams} streams = {share:.1%} of it "
-          f"(target >= 80%: {'met' if share >= 0.8 else 'missed'}); TTFT added at 1 stream {added:.1f} ms "
-          f"(target <= 10 ms: {'met' if added <= 10 else 'missed'}); errors {err1 + err64}")
-    results.update({"ttft_added_ms_1_stream": added, "http_share_of_offline": share, "config": vars(args),
-                    "engine_args": ENGINE_ARGS})
+    print(format_table(["load", f"{base} TTFT p50 ms", "HTTP TTFT p50 ms", "added ms", f"{base} tok/s",
+                        "HTTP tok/s"], rows))
+    if real:
+        print(f"\noffline throughput {offline:.0f} tok/s; HTTP at {args.streams} streams = {share:.1%} of it "
+              f"(target >= 80%: {'met' if share >= 0.8 else 'missed'}); TTFT added at 1 stream {added:.1f} ms "
+              f"(target <= 10 ms: {'met' if added <= 10 else 'missed'}); errors {err1 + err64}")
+    else:
+        print(f"\nno-work engine (a token every {_step_s() * 1e3:.0f} ms, no CPU) behind our Router and LLMReplica "
+              f"(HTTP) against the bare Ray Serve path (a token per message, nothing else): the serving path's "
+              f"floor on this machine; errors {err1 + err64}")
     write_json(args.json, results)
+
+
+def _step_s() -> float:
+    from benchmarks.no_work_engine import STEP_S
+
+    return STEP_S
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
     actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica}
     if config.replica_resources:
         actor_options["resources"] = dict(config.replica_resources)
+    # Serve writes an access-log line per request in every deployment it passes (formatting, a file, the
+    # driver's console): measurable CPU on a small machine serving many short requests, so it is opt-in.
+    logging_config = {"enable_access_log": config.access_log}
     replica_options: dict[str, Any] = {
         "ray_actor_options": actor_options,
         "max_ongoing_requests": config.max_ongoing_requests_per_replica,
@@ -36,6 +39,7 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
         ),
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 10.0,
+        "logging_config": logging_config,
     }
     if config.autoscaling_config:
         replica_options["autoscaling_config"] = config.autoscaling_config
@@ -53,6 +57,6 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
         router_actor_options["resources"] = dict(config.router_resources)
     router = serve.deployment(Router).options(
         num_replicas=config.router_replicas, max_ongoing_requests=config.max_pending_requests * 4,
-        ray_actor_options=router_actor_options,
+        ray_actor_options=router_actor_options, logging_config=logging_config,
     )
     return router.bind(replicas, config.router_config())

@@ -44,6 +44,7 @@ class AppConfig(BaseModel):
     router_replicas: int = Field(default=1, ge=1)
     router_num_cpus: float = Field(default=0.0, ge=0)  # 0: routers may share any node, even a num-cpus "0" head
     router_resources: dict[str, float] = Field(default_factory=dict)  # custom resources routers require (pinning)
+    access_log: bool = False  # Serve's per-request access-log line in the Router and LLMReplica logs
 
     @field_validator("engine_args")
     @classmethod
