@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
-BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+from engine.block_hash import NO_PARENT, BlockKey, block_key
 
 
 class BlockPool:
@@ -179,9 +179,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request_id in self.block_tables:
             return 0
         bs, pool = self.block_size, self.pool
-        hashes, blocks, parent = [], [], None
-        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
-            key = (parent, tuple(token_ids[start:start + bs]))
+        hashes, blocks, parent = [], [], NO_PARENT
+        for index in range((len(token_ids) - 1) // bs):
+            key = block_key(parent, token_ids, index, bs)
             block_hash = hash(key)
             block = pool.lookup(block_hash, key)
             if block is None:
@@ -201,9 +201,9 @@ class KVCacheManager:
         """Register the request's blocks that became full and computed since the last call."""
         hashes = self._block_hashes.setdefault(request_id, [])
         bs, table, pool = self.block_size, self.block_tables[request_id], self.pool
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else NO_PARENT
         for index in range(len(hashes), num_computed // bs):
-            key = (parent, tuple(token_ids[index * bs:(index + 1) * bs]))
+            key = block_key(parent, token_ids, index, bs)
             parent = hash(key)
             hashes.append(parent)
             pool.register(table[index], parent, key)

@@ -1,0 +1,35 @@
+"""Content hashes of a prompt's full KV blocks: the prefix cache's keys, and what prefix-affinity routing hashes.
+
+Block ``i`` is keyed by (the hash of block ``i - 1``, block ``i``'s token ids), so one hash names the
+whole prefix up to the end of its block: two prompts share block ``i``'s hash exactly when they share
+their first ``(i + 1) * block_size`` tokens (up to hash collisions, which the block pool rules out by
+comparing the key on a hit). Python's ``hash`` of a tuple of ints is the same in every process
+(``PYTHONHASHSEED`` salts only str and bytes), so a router can compute the hashes a replica's engine uses.
+The first block's parent is ``NO_PARENT``, an int: ``hash(None)`` is the object's address in
+CPython 3.11, different in every process. No torch here: the router imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+NO_PARENT = 0  # the first block's parent
+
+
+def block_key(parent: int, token_ids: Sequence[int], index: int, block_size: int) -> BlockKey:
+    """The key of block ``index`` of ``token_ids`` (a full block) whose predecessor's hash is ``parent``."""
+    return parent, tuple(token_ids[index * block_size:(index + 1) * block_size])
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+    """The chained hashes of the leading full blocks of ``token_ids`` (at most ``max_blocks`` of them)."""
+    num_blocks = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    hashes: list[int] = []
+    parent = NO_PARENT
+    for index in range(num_blocks):
+        parent = hash(block_key(parent, token_ids, index, block_size))
+        hashes.append(parent)
+    return hashes
