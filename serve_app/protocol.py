@@ -1,5 +1,8 @@
 """OpenAI-compatible request schemas (pydantic, at the HTTP edge) and their translation for the engine.
 
+Completions take ``echo`` (the prompt before the text; with ``logprobs``, the prompt tokens' logprobs first)
+and ``max_tokens: 0`` with it (prompt scoring: nothing is generated). Embeddings take OpenAI's request.
+
 We accept OpenAI's parameters and vLLM's extensions (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``priority``) plus our own ``timeout`` (seconds). OpenAI parameters we do not
 implement are accepted only at their neutral value, so a request never silently means something else.
@@ -10,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_N = 16
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on inputs per request
 
 
 class StreamOptions(BaseModel):
@@ -94,9 +98,9 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False  # before max_tokens: its validator reads it
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -107,10 +111,24 @@ class CompletionRequest(_Sampling):
             raise ValueError("must not be empty")
         return value
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_needs_echo(cls, value, info: ValidationInfo):
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("may be 0 only with echo=true (scoring the prompt: nothing is generated, the prompt "
+                             "and, with logprobs, its tokens' logprobs come back)")
+        return value
+
+    def completion_sampling_kwargs(self) -> dict[str, Any]:
+        """``sampling_kwargs`` for this request: with ``echo``, ``logprobs`` also asks for the prompt's
+        (``prompt_logprobs``); with ``max_tokens: 0`` only for the prompt's."""
+        kwargs = self.sampling_kwargs(self.max_tokens, self.logprobs if self.max_tokens != 0 else None)
+        if self.echo and self.logprobs is not None:
+            kwargs["prompt_logprobs"] = self.logprobs
+        return kwargs
+
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of not in (None, 1, self.n):
@@ -177,3 +195,43 @@ class ChatCompletionRequest(_Sampling):
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's ``POST /v1/embeddings``: one embedding per input (a string or token ids), the mean over its
+    positions of the model's final-norm hidden state."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # ours: a deadline in seconds covering queueing and the forward
+    timeout: float | None = Field(default=None, gt=0.0)
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, value):
+        items = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
+        if not items or any(len(item) == 0 for item in items):
+            raise ValueError("must not be empty, nor hold an empty string or an empty list of token ids")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"holds {len(items)} inputs; at most {MAX_EMBEDDING_INPUTS} per request")
+        return value
+
+    @field_validator("dimensions")
+    @classmethod
+    def _no_dimensions(cls, value):
+        if value is not None:
+            raise ValueError("is not supported by this server (embeddings have the model's hidden size)")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and all(isinstance(t, int) for t in value):
+            return [list(value)]
+        return list(value)

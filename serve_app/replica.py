@@ -23,12 +23,14 @@ from typing import Any, AsyncIterator
 import ray
 from ray import serve
 
-from engine import AsyncLLMEngine, DeadlineUnmeetableError, SamplingParams
+from engine import AsyncLLMEngine, DeadlineUnmeetableError, PoolingParams, SamplingParams
 from engine.outputs import RequestOutput
 from serve_app.admission import DrainRate
 from serve_app.autoscaling import autoscaling_metrics
-from serve_app.errors import BadRequestError, OverloadedError, param_of_value_error
+from serve_app.errors import (APIError, BadRequestError, OverloadedError, RequestTimeoutError,
+                              ServiceUnavailableError, param_of_value_error)
 from serve_app.metrics import ReplicaMetrics
+from serve_app.responses import pack_embedding
 
 logger = logging.getLogger("ray.serve")
 
@@ -77,12 +79,13 @@ class LLMReplica:
         self.metrics.prompt_tokens.inc(max(1, num_prompt_tokens * params.n))
         started = {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
         sent_logprobs = [0] * params.n
+        echo = self._echo(request, stream.prompt_token_ids, params) if request.get("echo") else None
         held: dict[str, Any] | None = None
         last_sent = 0.0  # nothing with tokens sent yet: the first tokens go at once
         self.num_streams += 1
         try:
             async for output in stream:
-                held = _merge_chunks(held, self._chunk(output, sent_logprobs, params.logprobs or 0))
+                held = _merge_chunks(held, self._chunk(output, sent_logprobs, params.logprobs or 0, echo))
                 now = time.monotonic()
                 if output.finished or now - last_sent >= self.num_streams / self.max_messages_per_s:
                     if started is not None:
@@ -97,6 +100,50 @@ class LLMReplica:
         finally:
             self.num_streams -= 1
 
+    async def embed(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``/v1/embeddings``: every input is an engine request (the prefill lane batches them together).
+
+        Returns ``{"embeddings": [float32 bytes per input], "prompt_tokens": N}`` or ``{"error": ...}``. If the
+        call is cancelled (the client left, the router's deadline passed), every input is aborted."""
+        self._ensure_stats_task()
+        stats = self.engine.stats()
+        queued = stats["num_waiting"] + stats.get("num_prefill_lane_waiting", 0)
+        if queued >= self.max_queued_requests:
+            self.metrics.rejections.inc()
+            retry = self.drain.seconds_to_drain(queued - self.max_queued_requests + 1)
+            return {"error": OverloadedError(f"replica queue is full ({queued} waiting)",
+                                             retry_after_s=retry).to_dict()}
+        params = PoolingParams(timeout_s=request.get("timeout_s"),
+                               reject_unmeetable_deadline=request.get("strict_deadline", True))
+        inputs = request["inputs"]
+        streams = []
+        for i, prompt in enumerate(inputs):
+            try:
+                streams.append(self.engine.submit(prompt, params, request_id=f"{request['request_id']}-{i}"))
+            except ValueError as e:
+                await _abort_all(self.engine, streams)
+                where = f"input[{i}]: " if len(inputs) > 1 else ""
+                return {"error": BadRequestError(f"{where}{e}", param="input").to_dict()}
+        tasks = [asyncio.ensure_future(_final_output(stream)) for stream in streams]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except DeadlineUnmeetableError as e:  # refused at admission (mixed mode): a late result predicted
+            self.metrics.rejections.inc()
+            return {"error": OverloadedError(str(e), retry_after_s=e.retry_after_s).to_dict()}
+        finally:
+            for task in tasks:  # a request whose stream is left unfinished is aborted (the stream's own finally)
+                task.cancel()
+        num_prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.drain.record(len(outputs))
+        reasons = {o.outputs[0].finish_reason for o in outputs}
+        if "timeout" in reasons:
+            error: APIError = RequestTimeoutError("request timed out (queueing and the forward)", code="timeout")
+            return {"error": error.to_dict()}
+        if "abort" in reasons:
+            return {"error": ServiceUnavailableError("request was aborted by the engine").to_dict()}
+        return {"embeddings": [pack_embedding(o.embedding) for o in outputs], "prompt_tokens": num_prompt_tokens}
+
     def _prompt(self, request: dict[str, Any]):
         if request["kind"] == "chat":
             tokenizer = self.engine.tokenizer
@@ -106,7 +153,8 @@ class LLMReplica:
             return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
         return request["prompt"]
 
-    def _chunk(self, output: RequestOutput, sent_logprobs: list[int], num_top: int) -> dict[str, Any]:
+    def _chunk(self, output: RequestOutput, sent_logprobs: list[int], num_top: int,
+               echo: _Echo | None = None) -> dict[str, Any]:
         choices = []
         for completion in output.outputs:
             choice = {"index": completion.index, "text": completion.new_text,
@@ -119,8 +167,16 @@ class LLMReplica:
                 sent_logprobs[completion.index] = len(completion.logprobs)
                 choice["logprobs"] = [_logprob_entry(entry, token_id, num_top) for entry, token_id in
                                       zip(new, completion.token_ids[len(completion.token_ids) - len(new):])]
+            if echo is not None:
+                echo.prepend(choice, output)
             choices.append(choice)
         return {"choices": choices, "finished": output.finished}
+
+    def _echo(self, request: dict[str, Any], prompt_token_ids: list[int], params: SamplingParams) -> _Echo:
+        tokenizer = self.engine.tokenizer
+        prompt = request["prompt"]
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_token_ids)
+        return _Echo(text, params.prompt_logprobs, tokenizer.decode(prompt_token_ids[:1], skip_special_tokens=False))
 
     def _on_finished(self, output: RequestOutput) -> None:
         self.drain.record()
@@ -170,6 +226,52 @@ class LLMReplica:
             except Exception:  # metrics must never take the replica down
                 logger.exception("failed to publish engine metrics")
             await asyncio.sleep(STATS_PERIOD_S)
+
+
+async def _final_output(stream) -> RequestOutput:
+    output = None
+    async for output in stream:
+        pass
+    return output
+
+
+async def _abort_all(engine, streams: list) -> None:
+    """Abort submitted requests whose streams were never iterated (such a stream has not started, so leaving
+    it would not abort anything): abort by id, then read each stream to its (aborted) end."""
+    for stream in streams:
+        await engine.abort(stream.request_id)
+    for stream in streams:
+        try:
+            await asyncio.wait_for(_final_output(stream), timeout=5.0)
+        except Exception:  # the engine is dead or slow; the request ends with it
+            logger.warning("could not drain aborted embedding request %s", stream.request_id)
+
+
+class _Echo:
+    """A completion with ``echo``: the prompt's text goes before each choice's first text, and with logprobs
+    (``num_top``) the prompt tokens' entries before the choice's own; the first prompt token has no logprob
+    (null, as OpenAI sends it)."""
+
+    def __init__(self, text: str, num_top: int | None, first_token_text: str) -> None:
+        self.text = text
+        self.num_top = num_top
+        self.first_token_text = first_token_text
+        self.done: set[int] = set()  # choices that got the prompt already
+        self.entries: list[dict[str, Any]] | None = None
+
+    def prepend(self, choice: dict[str, Any], output: RequestOutput) -> None:
+        if choice["index"] in self.done:
+            return
+        self.done.add(choice["index"])
+        choice["text"] = self.text + choice["text"]
+        if self.num_top is None:
+            return
+        if self.entries is None:
+            prompt_logprobs = output.prompt_logprobs or [None]  # (a request that ended before its prompt has none)
+            self.entries = [{"token": self.first_token_text, "logprob": None, "top": None}] + [
+                _logprob_entry(entry, token_id, self.num_top)
+                for entry, token_id in zip(prompt_logprobs[1:], output.prompt_token_ids[1:])]
+        choice["logprobs"] = self.entries + choice.get("logprobs", [])
 
 
 def _merge_chunks(held: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:

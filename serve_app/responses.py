@@ -6,7 +6,9 @@ so responses validate against the official OpenAPI description.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import time
 from typing import Any
 
@@ -24,7 +26,8 @@ def completion_logprobs(entries: list[dict[str, Any]], text_offset_start: int) -
     for entry in entries:
         tokens.append(entry["token"])
         token_logprobs.append(entry["logprob"])
-        top_logprobs.append({text: logprob for text, logprob in entry["top"]})
+        # None for an echoed prompt's first token: nothing before it, so no logprob (OpenAI sends null)
+        top_logprobs.append({text: logprob for text, logprob in entry["top"]} if entry["top"] is not None else None)
         offsets.append(offset)
         offset += len(entry["token"])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
@@ -109,3 +112,20 @@ def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_toke
 def sse(data: dict[str, Any] | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n"
+
+
+def pack_embedding(values: list[float]) -> bytes:
+    """An embedding as little-endian float32 bytes: how replicas send it, and what base64 encoding_format encodes."""
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def embedding_response(model: str, embeddings: list[bytes], prompt_tokens: int, encoding_format: str) -> dict[str, Any]:
+    """OpenAI's embeddings list; each embedding is a list of floats, or base64 of its float32 bytes."""
+    def encode(packed: bytes) -> list[float] | str:
+        if encoding_format == "base64":
+            return base64.b64encode(packed).decode("ascii")
+        return list(struct.unpack(f"<{len(packed) // 4}f", packed))
+
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(e)} for i, e in enumerate(embeddings)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

@@ -36,7 +36,7 @@ from serve_app.config import RouterConfig
 from serve_app.errors import (APIError, BadRequestError, ModelNotFoundError, OverloadedError, RequestTimeoutError,
                               ServerError, ServiceUnavailableError)
 from serve_app.metrics import RouterMetrics
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from serve_app.routing import prefix_key
 
 logger = logging.getLogger("ray.serve")
@@ -132,18 +132,41 @@ class Router:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, "chat")
 
+    @api.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        try:
+            body = await self._admit(request, EmbeddingRequest)
+        except APIError as e:
+            return _error_response(e)
+        try:
+            deadline = time.monotonic() + (body.timeout or self.config.default_timeout_s)
+            payload = {"request_id": "embd-" + uuid.uuid4().hex, "inputs": body.inputs(),
+                       "client_timeout": body.timeout is not None}
+            result = await self._embed(payload, deadline)
+            return JSONResponse(R.embedding_response(self.model_name, result["embeddings"], result["prompt_tokens"],
+                                                     body.encoding_format))
+        except APIError as e:
+            return _error_response(e)
+        finally:
+            self.admission.release()
+
     # -- one request ---------------------------------------------------------------------------------
+    async def _admit(self, http: Request, schema: type):
+        """Parse and validate the body, check the model, take an admission slot; raises ``APIError``."""
+        body = await self._parse(http, schema)
+        if body.model != self.model_name:
+            raise ModelNotFoundError(f"model {body.model!r} does not exist; this server serves "
+                                     f"{self.model_name!r}", param="model", code="model_not_found")
+        retry_after = self.admission.try_acquire()
+        if retry_after is not None:
+            self.metrics.rejections.inc()
+            raise OverloadedError(f"server is at capacity ({self.admission.max_in_flight} requests in flight); "
+                                  f"retry later", retry_after_s=retry_after)
+        return body
+
     async def _serve(self, http: Request, schema: type, kind: str) -> Response:
         try:
-            body = await self._parse(http, schema)
-            if body.model != self.model_name:
-                raise ModelNotFoundError(f"model {body.model!r} does not exist; this server serves "
-                                         f"{self.model_name!r}", param="model", code="model_not_found")
-            retry_after = self.admission.try_acquire()
-            if retry_after is not None:
-                self.metrics.rejections.inc()
-                raise OverloadedError(f"server is at capacity ({self.admission.max_in_flight} requests in flight); "
-                                      f"retry later", retry_after_s=retry_after)
+            body = await self._admit(http, schema)
         except APIError as e:
             return _error_response(e)
         try:
@@ -216,10 +239,10 @@ class Router:
                      "priority": body.priority, "prefix_key": prefix_key(messages),
                      "client_timeout": body.timeout is not None,
                      "add_generation_prompt": body.add_generation_prompt}]
-        params = body.sampling_kwargs(body.max_tokens, body.logprobs)
+        params = body.completion_sampling_kwargs()
         return [{"kind": "completion", "request_id": base_id if i == 0 else f"{base_id}-{i}", "prompt": prompt,
                  "params": params, "priority": body.priority, "prefix_key": prefix_key(prompt),
-                 "client_timeout": body.timeout is not None}
+                 "client_timeout": body.timeout is not None, "echo": body.echo}
                 for i, prompt in enumerate(body.prompts())]
 
     async def _open(self, payload: dict[str, Any], deadline: float, attempt_base: int = 0):
@@ -292,6 +315,43 @@ class Router:
                 yield chunk
         finally:
             gen.cancel()  # a no-op when finished; aborts the engine request when we leave early
+
+    async def _embed(self, payload: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """One ``LLMReplica.embed`` call for all of a request's inputs; a replica lost before it answered is
+        replaced by another (bounded by ``max_attempts``): nothing was sent to the client yet."""
+        last_error: BaseException | None = None
+        for attempt in range(self.config.max_attempts):
+            request = {**payload, "timeout_s": max(0.001, deadline - time.monotonic()),
+                       "strict_deadline": payload["client_timeout"]}
+            if attempt:
+                request["request_id"] = f"{payload['request_id']}-retry{attempt}"
+            response = self.control.embed.remote(request)
+            try:
+                result = await asyncio.wait_for(response, timeout=max(0.001, deadline + DEADLINE_GRACE_S
+                                                                      - time.monotonic()))
+            except REPLICA_GONE as e:
+                last_error = e
+                logger.warning("replica lost during embeddings request %s (attempt %d): %r", payload["request_id"],
+                               attempt + 1, e)
+                await asyncio.sleep(min(1.0, 0.1 * 2 ** attempt))
+                continue
+            except asyncio.TimeoutError:
+                response.cancel()
+                self.metrics.timeouts.inc()
+                raise RequestTimeoutError("request timed out", code="timeout") from None
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
+            except Exception as e:
+                response.cancel()
+                logger.exception("replica failed embeddings request %s", payload["request_id"])
+                raise ServerError(f"replica failed: {type(e).__name__}") from None
+            if "error" in result:
+                raise APIError.from_dict(result["error"])
+            return result
+        reason = _lost_reason(last_error) if last_error is not None else "no replica answered"
+        raise ServiceUnavailableError(f"no replica could take the request in {self.config.max_attempts} attempts; "
+                                      f"the last one failed because {reason}", code="replica_lost")
 
     async def _full_response(self, payloads: list[dict[str, Any]], body, kind: str, deadline: float) -> dict:
         n = body.n

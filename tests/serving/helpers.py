@@ -76,11 +76,27 @@ def _derive_completion_stream_chunk(schemas: dict[str, Any]) -> dict[str, Any]:
     return derived
 
 
+# With echo and logprobs OpenAI sends null as the first prompt token's logprob and top_logprobs (nothing precedes
+# it), which the document's number / object items do not allow. This derived schema is CreateCompletionResponse
+# with only those two item types made nullable (the stream-chunk relaxation included, for streamed echo).
+COMPLETION_ECHO = "CreateCompletionResponse (echo with logprobs: the first token's logprob may be null)"
+
+
+def _derive_completion_echo(schemas: dict[str, Any]) -> dict[str, Any]:
+    derived = _derive_completion_stream_chunk(schemas)
+    logprobs = derived["properties"]["choices"]["items"]["properties"]["logprobs"]
+    fields = next(option for option in logprobs["anyOf"] if option.get("type") == "object")["properties"]
+    for name in ("token_logprobs", "top_logprobs"):
+        fields[name]["items"] = {"anyOf": [fields[name]["items"], {"type": "null"}]}
+    return derived
+
+
 @functools.lru_cache(maxsize=1)
 def _registry() -> Registry:
     document = _nullable_to_json_schema(json.loads(OPENAPI_PATH.read_text()))
     schemas = document["components"]["schemas"]
     schemas[COMPLETION_STREAM_CHUNK] = _derive_completion_stream_chunk(schemas)
+    schemas[COMPLETION_ECHO] = _derive_completion_echo(schemas)
     # The whole document is one resource, so every "#/components/schemas/..." inside it resolves.
     return Registry().with_resource(OPENAPI_URI, Resource.from_contents(document, default_specification=DRAFT202012))
 
