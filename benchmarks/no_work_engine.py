@@ -38,7 +38,8 @@ class NoWorkEngine:
                 "kv_blocks_used": 0, "kv_blocks_total": blocks, "kv_blocks_free": blocks, "kv_blocks_cached": 0,
                 "kv_blocks_empty": blocks, "kv_block_usage": 0.0, "kv_token_usage": 0.0,
                 "prefix_cache_hit_tokens": 0, "prefix_cache_query_tokens": 0, "kv_diagnosis": None,
-                "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len, "num_preemptions": 0,
+                "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len, "block_size": 16,
+                "num_preemptions": 0,
                 "num_finished_requests": 0, "num_generated_tokens": 0, "time": time.time()}
 
     def submit(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0) -> RequestStream:

@@ -69,11 +69,7 @@ class LLM:
              use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-            # The template already wrote the special tokens (bos): do not add them twice.
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [self.tokenizer.chat_prompt(conversation, add_generation_prompt) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

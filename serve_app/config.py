@@ -14,6 +14,8 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     served_model_name: str
+    model: str = "demo-tiny"  # what the replicas load: the router reads its tokenizer for prefix affinity
+    routing_policy: str = "least_loaded"
     max_pending_requests: int = Field(default=256, ge=1)  # in flight through one router; more get 429
     default_timeout_s: float = Field(default=120.0, gt=0)  # deadline when a request brings no `timeout`
     max_attempts: int = Field(default=3, ge=1)  # tries of a request whose replica died before it started
@@ -64,7 +66,8 @@ class AppConfig(BaseModel):
         return self.served_model_name or self.model
 
     def router_config(self) -> RouterConfig:
-        return RouterConfig(served_model_name=self.model_name, max_pending_requests=self.max_pending_requests,
+        return RouterConfig(served_model_name=self.model_name, model=self.model, routing_policy=self.routing_policy,
+                            max_pending_requests=self.max_pending_requests,
                             default_timeout_s=self.default_timeout_s, max_attempts=self.max_attempts)
 
 

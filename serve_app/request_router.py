@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats
+from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, prompt_block_hashes
 
 class LLMRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "least_loaded", load_cap: float = 1.5, **_: Any) -> None:
@@ -35,13 +35,20 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
         now = time.time()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [ReplicaLoad(rid, self.in_flight[rid], fresh_stats(r.routing_stats, now)) for rid, r in by_id.items()]
-        key = None
-        if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], dict):
-            key = pending_request.args[0].get("prefix_key")
-        ranked = self.policy.rank(loads, key)
+        hashes = None
+        if (self.policy.policy == "prefix_affinity" and pending_request is not None and pending_request.args
+                and isinstance(pending_request.args[0], dict)):
+            hashes = prompt_block_hashes(pending_request.args[0].get("prompt_token_ids"),
+                                         [r.routing_stats for r in candidate_replicas])
+        ranked = self.policy.rank(loads, hashes)
         if pending_request is not None and ranked:
             self._count(pending_request.metadata.internal_request_id, ranked[0].replica_id)
         return [[by_id[load.replica_id]] for load in ranked]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        # A replica that is gone takes its cache with it (a restarted one comes back with a new id).
+        self.policy.prefix_index.forget_except({r.replica_id.unique_id for r in replicas})
 
     def _count(self, request_id: str, replica_id: str) -> None:
         previous = self._counted_on.get(request_id)

@@ -7,15 +7,20 @@ is always current. So a burst between two reports spreads out instead of landing
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import random
 import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+
+from engine.block_hash import block_hashes
 
 POLICIES = ("least_loaded", "power_of_two", "round_robin", "prefix_affinity")
 MAX_STATS_AGE_S = 1.0
+MAX_HASHED_BLOCKS = 512  # prefix affinity looks at this many leading blocks of a prompt at most
+DEFAULT_INDEX_BLOCKS = 8192  # blocks remembered per replica until it reports its KV size
 
 
 @dataclass
@@ -51,8 +56,11 @@ class RoutingPolicy:
         self.load_cap = load_cap
         self._rng = random.Random(seed)
         self._round_robin = itertools.count()
+        self.prefix_index = PrefixIndex()
 
-    def rank(self, loads: Sequence[ReplicaLoad], prefix_key: str | None = None) -> list[ReplicaLoad]:
+    def rank(self, loads: Sequence[ReplicaLoad], block_hashes: Sequence[int] | None = None) -> list[ReplicaLoad]:
+        """Replicas best first for one request; ``block_hashes``: its prompt's (``prompt_block_hashes``),
+        for prefix affinity."""
         if not loads:
             return []
         by_load = sorted(loads, key=lambda r: (r.score(), self._rng.random()))
@@ -66,27 +74,65 @@ class RoutingPolicy:
             start = next(self._round_robin) % len(loads)
             ordered = sorted(loads, key=lambda r: r.replica_id)
             return ordered[start:] + ordered[:start]
-        return self._prefix_affinity(loads, by_load, prefix_key)
+        return self._prefix_affinity(loads, by_load, block_hashes)
 
     def _prefix_affinity(self, loads: Sequence[ReplicaLoad], by_load: list[ReplicaLoad],
-                         prefix_key: str | None) -> list[ReplicaLoad]:
-        """Rendezvous hashing of the prompt's prefix, unless that replica is loaded past ``load_cap`` x mean."""
-        if not prefix_key:
+                         block_hashes: Sequence[int] | None) -> list[ReplicaLoad]:
+        """The replica already sent the longest run of this prompt's leading blocks (so likeliest to hold them
+        in its prefix cache), unless it is loaded past ``load_cap`` x the mean; a prompt no replica has seen
+        goes to the least loaded one. Either way the choice is recorded, so the next request with this
+        prefix (even one decided in the same burst, before this one is sent) follows it."""
+        if not block_hashes:
             return by_load
-        home = max(loads, key=lambda r: hashlib.blake2b(f"{prefix_key}|{r.replica_id}".encode(),
-                                                        digest_size=8).digest())
+        matched = {r.replica_id: self.prefix_index.num_matched(r.replica_id, block_hashes) for r in loads}
+        best = max(by_load, key=lambda r: matched[r.replica_id])  # max keeps the first: the least loaded of ties
         mean = sum(r.score() for r in loads) / len(loads)
-        if home.score() > self.load_cap * mean + 1.0 / max(1, len(loads)):
-            return by_load
+        overloaded = best.score() > self.load_cap * mean + 1.0 / max(1, len(loads))
+        home = best if matched[best.replica_id] and not overloaded else by_load[0]
+        capacity = (home.stats or {}).get("kv_blocks_total", DEFAULT_INDEX_BLOCKS)
+        self.prefix_index.record(home.replica_id, block_hashes, capacity)
         return [home] + [r for r in by_load if r is not home]
 
 
-def prefix_key(prompt: Any, num_chars: int = 256) -> str:
-    """What prefix affinity hashes: the start of the prompt text (or of its token ids)."""
-    if isinstance(prompt, str):
-        return prompt[:num_chars]
-    if isinstance(prompt, list):
-        if prompt and isinstance(prompt[0], dict):  # chat messages
-            return "".join(f"{m.get('role')}:{m.get('content')}" for m in prompt)[:num_chars]
-        return ",".join(map(str, prompt[:num_chars // 4]))
-    return ""
+class PrefixIndex:
+    """The prompt blocks (by ``engine.block_hash`` hash) this router has sent each replica, least recently
+    sent first: a model of each replica's prefix cache, which also evicts its least recently used blocks.
+    It is bounded by the replica's KV size, so it forgets about when the cache would have."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, OrderedDict[int, None]] = defaultdict(OrderedDict)
+
+    def num_matched(self, replica_id: str, block_hashes: Sequence[int]) -> int:
+        """How many of the leading blocks the replica was sent (a block's hash names its whole prefix, so
+        the first miss ends the run)."""
+        sent = self._sent.get(replica_id)
+        if not sent:
+            return 0
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in sent:
+                break
+            count += 1
+        return count
+
+    def record(self, replica_id: str, block_hashes: Sequence[int], capacity: int) -> None:
+        sent = self._sent[replica_id]
+        for block_hash in block_hashes:
+            sent[block_hash] = None
+            sent.move_to_end(block_hash)
+        while len(sent) > max(1, capacity):
+            sent.popitem(last=False)
+
+    def forget_except(self, replica_ids: set[str]) -> None:
+        """Drop replicas that are gone (a restarted replica comes back with an empty cache and a new id)."""
+        for replica_id in [r for r in self._sent if r not in replica_ids]:
+            del self._sent[replica_id]
+
+
+def prompt_block_hashes(token_ids: Sequence[int] | None, stats: Sequence[dict[str, Any] | None]) -> list[int]:
+    """The prompt's leading block hashes at the replicas' block size (from their reports; every replica of a
+    deployment runs the same engine configuration), or none when no replica has reported it yet."""
+    block_size = next((s["block_size"] for s in stats if s and s.get("block_size")), None)
+    if not token_ids or block_size is None:
+        return []
+    return block_hashes(token_ids, block_size, MAX_HASHED_BLOCKS)

@@ -29,6 +29,7 @@ from ray.serve._private.common import (
 )
 from ray.serve._private.request_router.common import PendingRequest
 
+from engine.block_hash import block_hashes
 from serve_app.request_router import LLMRequestRouter
 
 pytestmark = pytest.mark.timeout(30)
@@ -42,13 +43,14 @@ def replica_id(name: str) -> ReplicaID:
 
 def running_replica(name: str, running: int = 0, max_num_seqs: int = 8):
     stats = {"num_running": running, "num_waiting": 0, "kv_blocks_free": 100, "kv_blocks_total": 100,
-             "max_num_seqs": max_num_seqs, "time": time.time()}
+             "max_num_seqs": max_num_seqs, "block_size": 4, "time": time.time()}
     return SimpleNamespace(replica_id=replica_id(name), routing_stats=stats)
 
 
-def pending(i: int, prompt: str = "hello") -> PendingRequest:
+def pending(i: int, prompt: list[int] | None = None) -> PendingRequest:
     metadata = RequestMetadata(request_id=f"req-{i}", internal_request_id=f"internal-{i}", call_method="generate")
-    return PendingRequest(args=[{"kind": "completion", "prefix_key": prompt}], kwargs={}, metadata=metadata)
+    return PendingRequest(args=[{"kind": "completion", "prompt_token_ids": prompt or [1, 2, 3]}], kwargs={},
+                          metadata=metadata)
 
 
 def make_router(policy: str = "least_loaded") -> LLMRequestRouter:
@@ -167,16 +169,22 @@ def test_in_flight_returns_to_zero_after_every_request_completes():
     assert sorted(second) == ["a", "b"], second
 
 
-def test_prefix_affinity_reads_the_prefix_key_of_the_request():
+def test_prefix_affinity_hashes_the_prompt_token_ids_of_the_request():
+    """A burst: every decision is made before any request is sent, so the prefix's home is the replica the
+    first request was given, and the burst's other prompts still spread by load."""
+    system = list(range(100, 132))  # 8 blocks of the replicas' reported block size (4)
+
     async def scenario():
         router = make_router("prefix_affinity")
         replicas = [running_replica(n) for n in ("r1", "r2", "r3")]
-        homes = set()
-        for i in range(5):
-            homes.add(await choose(router, replicas, pending(i, prompt="the same long system prompt")))
-        spread = {await choose(router, replicas, pending(50 + i, prompt=f"prompt {i} " * 4)) for i in range(30)}
-        return homes, spread
+        homes = [await choose(router, replicas, pending(i, prompt=system + [i] * 5)) for i in range(5)]
+        spread = [await choose(router, replicas, pending(50 + i, prompt=[1000 + i] * 12)) for i in range(6)]
+        # a replica that goes away takes its part of the index with it
+        router.update_replicas([r for r in replicas if r.replica_id.unique_id != homes[0]])
+        return homes, spread, router.policy.prefix_index.num_matched(homes[0], block_hashes(system, 4))
 
-    homes, spread = asyncio.run(scenario())
-    assert len(homes) == 1, homes
-    assert spread == {"r1", "r2", "r3"}, spread
+    homes, spread, after_removal = asyncio.run(scenario())
+    assert len(set(homes)) == 1, homes
+    assert Counter(spread)[homes[0]] <= 1, spread  # the other prompts went elsewhere: the home is the busiest
+    assert set(spread) | set(homes) == {"r1", "r2", "r3"}, spread
+    assert after_removal == 0

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from engine.block_hash import block_hashes
 from serve_app.admission import AdmissionController, DrainRate
 from serve_app.errors import OverloadedError
 from serve_app.routing import (
@@ -14,8 +15,9 @@ from serve_app.routing import (
     POLICIES,
     ReplicaLoad,
     RoutingPolicy,
+    PrefixIndex,
     fresh_stats,
-    prefix_key,
+    prompt_block_hashes,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -109,52 +111,75 @@ def test_round_robin_cycles_regardless_of_load():
 
 
 # -- prefix_affinity -------------------------------------------------------------------------------------
-def test_prefix_affinity_sticks_a_prefix_to_one_replica():
-    policy = RoutingPolicy("prefix_affinity", seed=0)
-    loads = [load("r1", running=2), load("r2", running=2), load("r3", running=2)]
-    key = prefix_key("You are a helpful assistant. Answer briefly.")
-    home = first(policy, loads, key)
-    # Same prefix: same replica, whatever the order of the replicas or small load changes.
-    for i in range(10):
-        shuffled = loads[i % 3:] + loads[:i % 3]
-        assert first(policy, shuffled, key) == home
-    loads_shifted = [load(r.replica_id, running=2 + (r.replica_id == home)) for r in loads]
-    assert first(policy, loads_shifted, key) == home
-    # Different prefixes spread over the replicas (rendezvous hashing).
-    homes = Counter(first(policy, loads, prefix_key(f"prefix number {i}: " * 3)) for i in range(60))
-    assert set(homes) == {"r1", "r2", "r3"}, homes
-    assert min(homes.values()) >= 8, homes
+BS = 4  # block size of these tests
 
 
-def test_prefix_affinity_long_prompts_share_a_home_by_prefix():
+def hashes(tokens: list[int]) -> list[int]:
+    return block_hashes(tokens, BS)
+
+
+SYSTEM = list(range(100, 124))  # a 24-token "system prompt": 6 full blocks
+
+
+def test_prefix_affinity_follows_the_replica_that_was_sent_the_prefix():
     policy = RoutingPolicy("prefix_affinity", seed=0)
-    loads = [load(f"r{i}", running=1) for i in range(4)]
-    system = "S" * 300  # longer than the hashed prefix
-    assert prefix_key(system + "question one") == prefix_key(system + "another question")
-    assert first(policy, loads, prefix_key(system + "question one")) == \
-        first(policy, loads, prefix_key(system + "another question"))
+    loads = [load("r1", running=2), load("r2", running=1), load("r3", running=2)]
+    home = first(policy, loads, hashes(SYSTEM + [1, 2, 3, 4]))
+    assert home == "r2", "a prefix nobody has seen goes to the least loaded replica"
+    # Later requests sharing the prefix follow it, whatever else they add, even once it is a little busier.
+    busier = [load("r1", running=2), load("r2", running=3), load("r3", running=2)]
+    for tail in ([9, 9, 9, 9, 9], [5, 6, 7, 8], []):
+        assert first(policy, busier, hashes(SYSTEM + tail)) == "r2"
+    # A different prefix goes to the least loaded (then sticks there).
+    other = list(range(500, 520))
+    assert first(policy, busier, hashes(other)) in ("r1", "r3")
+    assert first(policy, [load("r1", running=4), load("r2", running=4), load("r3", running=4)],
+                 hashes(other)) == first(policy, busier, hashes(other))
+
+
+def test_prefix_affinity_prefers_the_longest_match():
+    policy = RoutingPolicy("prefix_affinity", seed=0)
+    idle = [load("r1"), load("r2")]
+    policy.prefix_index.record("r1", hashes(SYSTEM[:8]), 100)  # the first 2 blocks
+    policy.prefix_index.record("r2", hashes(SYSTEM), 100)  # all 6
+    assert policy.prefix_index.num_matched("r1", hashes(SYSTEM)) == 2
+    assert policy.prefix_index.num_matched("r2", hashes(SYSTEM)) == 6
+    assert first(policy, idle, hashes(SYSTEM + [7, 7, 7, 7])) == "r2"
+    # same tokens in the second block, but a different first block: a block hash names its whole prefix
+    assert policy.prefix_index.num_matched("r2", hashes([0, 0, 0, 0] + SYSTEM[4:])) == 0
 
 
 def test_prefix_affinity_falls_back_when_home_is_overloaded():
     policy = RoutingPolicy("prefix_affinity", seed=0, load_cap=1.5)
-    key = prefix_key("shared system prompt")
     idle = [load("r1", running=1), load("r2", running=1), load("r3", running=1)]
-    home = first(policy, idle, key)
+    home = first(policy, idle, hashes(SYSTEM))
     overloaded = [load(r.replica_id, running=8, waiting=16, kv_free=0) if r.replica_id == home
                   else load(r.replica_id, running=1) for r in idle]
-    ranked = policy.rank(overloaded, key)
+    ranked = policy.rank(overloaded, hashes(SYSTEM))
     assert ranked[0].replica_id != home, "an overloaded home must not get the request"
     assert ranked[-1].replica_id == home
     assert ranked[0].score() == min(r.score() for r in overloaded)
-    # No prefix: plain least-loaded (ties between the two idle replicas are broken at random).
-    assert first(policy, overloaded, None) != home
+    # No prompt blocks (shorter than a block, or no token ids): plain least-loaded.
+    assert first(policy, overloaded, []) != home
 
 
-def test_prefix_key_forms():
-    assert prefix_key("x" * 1000) == "x" * 256
-    assert prefix_key([{"role": "system", "content": "hi"}, {"role": "user", "content": "q"}]) == "system:hiuser:q"
-    assert prefix_key([1, 2, 3]) == "1,2,3"
-    assert prefix_key(None) == ""
+def test_prefix_index_is_bounded_and_forgets_departed_replicas():
+    index = PrefixIndex()
+    index.record("r1", hashes(SYSTEM), capacity=4)  # 6 blocks into room for 4: the oldest 2 are forgotten
+    assert index.num_matched("r1", hashes(SYSTEM)) == 0  # the run starts at the first block, now forgotten
+    index.record("r1", hashes(SYSTEM[:8]), capacity=4)  # sent again: most recently used
+    assert index.num_matched("r1", hashes(SYSTEM)) == 2
+    index.record("r2", hashes(SYSTEM), capacity=100)
+    index.forget_except({"r1"})
+    assert index.num_matched("r2", hashes(SYSTEM)) == 0
+    assert index.num_matched("r1", hashes(SYSTEM)) == 2
+
+
+def test_prompt_block_hashes_use_the_replicas_block_size():
+    tokens = list(range(40))
+    assert prompt_block_hashes(tokens, [None, {"block_size": 16}]) == block_hashes(tokens, 16)
+    assert prompt_block_hashes(tokens, [{"num_running": 0}]) == []  # no report yet
+    assert prompt_block_hashes(None, [{"block_size": 16}]) == []
 
 
 def test_policy_edge_cases():
