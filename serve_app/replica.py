@@ -80,6 +80,7 @@ class LLMReplica:
         started = {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
         sent_logprobs = [0] * params.n
         echo = self._echo(request, stream.prompt_token_ids, params) if request.get("echo") else None
+        output: RequestOutput | None = None
         held: dict[str, Any] | None = None
         last_sent = 0.0  # nothing with tokens sent yet: the first tokens go at once
         self.num_streams += 1
@@ -99,6 +100,10 @@ class LLMReplica:
             yield {"error": OverloadedError(str(e), retry_after_s=e.retry_after_s).to_dict()}
         finally:
             self.num_streams -= 1
+            # counted once per request: a metric update per message costs more than it (Ray refuses inc(0):
+            # a prefill-only request, or one that ended before its first token, generated nothing)
+            if output is not None and any(c.token_ids for c in output.outputs):
+                self.metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
 
     async def embed(self, request: dict[str, Any]) -> dict[str, Any]:
         """``/v1/embeddings``: every input is an engine request (the prefill lane batches them together).
@@ -145,12 +150,10 @@ class LLMReplica:
         return {"embeddings": [pack_embedding(o.embedding) for o in outputs], "prompt_tokens": num_prompt_tokens}
 
     def _prompt(self, request: dict[str, Any]):
+        if "prompt_token_ids" in request:  # the router tokenized it (prefix affinity hashes the ids)
+            return {"prompt": request.get("prompt_text"), "prompt_token_ids": request["prompt_token_ids"]}
         if request["kind"] == "chat":
-            tokenizer = self.engine.tokenizer
-            text = tokenizer.apply_chat_template(request["messages"],
-                                                 add_generation_prompt=request.get("add_generation_prompt", True))
-            # The template writes the special tokens itself.
-            return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            return self.engine.tokenizer.chat_prompt(request["messages"], request.get("add_generation_prompt", True))
         return request["prompt"]
 
     def _chunk(self, output: RequestOutput, sent_logprobs: list[int], num_top: int,
@@ -160,8 +163,6 @@ class LLMReplica:
             choice = {"index": completion.index, "text": completion.new_text,
                       "num_tokens": len(completion.new_token_ids), "finish_reason": completion.finish_reason,
                       "stop_reason": completion.stop_reason}
-            if completion.new_token_ids:
-                self.metrics.generation_tokens.inc(len(completion.new_token_ids))
             if completion.logprobs is not None:
                 new = completion.logprobs[sent_logprobs[completion.index]:]
                 sent_logprobs[completion.index] = len(completion.logprobs)
@@ -197,6 +198,7 @@ class LLMReplica:
                 "prefix_cache_query_tokens": stats["prefix_cache_query_tokens"],
                 "kv_diagnosis": stats["kv_diagnosis"],
                 "max_num_seqs": stats["max_num_seqs"], "max_model_len": stats["max_model_len"],
+                "block_size": stats["block_size"],  # for the router's prefix affinity (engine.block_hash)
                 "num_preemptions": stats["num_preemptions"], "num_finished_requests": stats["num_finished_requests"],
                 "num_generated_tokens": stats["num_generated_tokens"], "time": time.time()}
 

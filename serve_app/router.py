@@ -36,8 +36,8 @@ from serve_app.config import RouterConfig
 from serve_app.errors import (APIError, BadRequestError, ModelNotFoundError, OverloadedError, RequestTimeoutError,
                               ServerError, ServiceUnavailableError)
 from serve_app.metrics import RouterMetrics
+from engine.models.loader import read_model_source
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from serve_app.routing import prefix_key
 
 logger = logging.getLogger("ray.serve")
 
@@ -95,6 +95,10 @@ class Router:
         self.admission = AdmissionController(config.max_pending_requests)
         self.metrics = RouterMetrics()
         self.created = int(time.time())
+        # Prefix affinity routes by the engine's own block hashes (engine.block_hash), so the router tokenizes:
+        # the replica then takes the token ids as they are. The model's files must be readable here.
+        self.tokenizer = (read_model_source(config.model).tokenizer if config.routing_policy == "prefix_affinity"
+                          else None)
 
     # -- routes ------------------------------------------------------------------------------------
     @api.get("/health")
@@ -235,15 +239,28 @@ class Router:
                 raise BadRequestError(str(e), param="messages") from None
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             params = body.sampling_kwargs(body.max_new_tokens(), logprobs)
-            return [{"kind": "chat", "request_id": base_id, "messages": messages, "params": params,
-                     "priority": body.priority, "prefix_key": prefix_key(messages),
-                     "client_timeout": body.timeout is not None,
-                     "add_generation_prompt": body.add_generation_prompt}]
+            payload = {"kind": "chat", "request_id": base_id, "messages": messages, "params": params,
+                       "priority": body.priority, "client_timeout": body.timeout is not None,
+                       "add_generation_prompt": body.add_generation_prompt}
+            if self.tokenizer is not None:
+                try:
+                    prompt = self.tokenizer.chat_prompt(messages, body.add_generation_prompt)
+                except ValueError as e:
+                    raise BadRequestError(str(e), param="messages") from None
+                payload.update(prompt_text=prompt["prompt"], prompt_token_ids=prompt["prompt_token_ids"])
+            return [payload]
         params = body.completion_sampling_kwargs()
-        return [{"kind": "completion", "request_id": base_id if i == 0 else f"{base_id}-{i}", "prompt": prompt,
-                 "params": params, "priority": body.priority, "prefix_key": prefix_key(prompt),
-                 "client_timeout": body.timeout is not None, "echo": body.echo}
-                for i, prompt in enumerate(body.prompts())]
+        payloads = [{"kind": "completion", "request_id": base_id if i == 0 else f"{base_id}-{i}", "prompt": prompt,
+                     "params": params, "priority": body.priority, "client_timeout": body.timeout is not None,
+                     "echo": body.echo}
+                    for i, prompt in enumerate(body.prompts())]
+        if self.tokenizer is not None:
+            for payload in payloads:
+                prompt = payload["prompt"]
+                text = prompt if isinstance(prompt, str) else None
+                payload.update(prompt_text=text, prompt_token_ids=self.tokenizer.encode(prompt) if text is not None
+                               else prompt)
+        return payloads
 
     async def _open(self, payload: dict[str, Any], deadline: float, attempt_base: int = 0):
         """Start the request on some replica; returns (response generator, first message)."""
