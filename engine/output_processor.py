@@ -97,7 +97,7 @@ class OutputProcessor:
         # Positional, in field order: keyword arguments cost twice as much, and this runs per request per step.
         output = RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
                                first.metrics, first.prompt_logprobs)
-        if first.pool and finished and first.pooled_sum is not None:
+        if finished and first.pool and first.pooled_sum is not None:
             output.embedding = (first.pooled_sum / first.num_prompt_tokens).tolist()
         return output
 
