@@ -137,7 +137,7 @@ def main() -> None:
 
     from engine import AsyncLLMEngine
 
-    single = [[p] for p in prompts(args.single_requests, args.prompt_len)]
+    single = [prompts(args.single_requests, args.prompt_len)]  # one stream: requests one after another
     many = prompts(args.streams * args.requests_per_stream, args.prompt_len)
     streams = [many[i::args.streams] for i in range(args.streams)]
     real = args.engine == "real"
@@ -148,7 +148,7 @@ def main() -> None:
         if real:
             async def direct():
                 engine = AsyncLLMEngine("demo-tiny", num_threads=args.threads, **ENGINE_ARGS)
-                await engine_run(engine, single[:2], 4)  # warm-up
+                await engine_run(engine, [single[0][:2]], 4)  # warm-up
                 one = await engine_run(engine, single, args.max_tokens)
                 bar.update()
                 many_ = await engine_run(engine, streams, args.max_tokens)
@@ -160,13 +160,13 @@ def main() -> None:
             offline = offline_tokens_per_s(many, args.max_tokens, args.threads)
             bar.update()
         start_server(args.threads, not real, args.max_messages_per_s)
-        asyncio.run(http_run(single[:2], 4))  # warm-up
+        asyncio.run(http_run([single[0][:2]], 4))  # warm-up
         if real:
             h1, _, err1 = asyncio.run(http_run(single, args.max_tokens))
         else:  # ours and the bare path in turn, request by request: drift on a shared machine hits both
-            asyncio.run(http_run(single[:2], 4, BARE_URL))
-            pairs = [(asyncio.run(http_run([p], args.max_tokens)), asyncio.run(http_run([p], args.max_tokens, BARE_URL)))
-                     for p in single]
+            asyncio.run(http_run([single[0][:2]], 4, BARE_URL))
+            pairs = [(asyncio.run(http_run([[p]], args.max_tokens)),
+                      asyncio.run(http_run([[p]], args.max_tokens, BARE_URL))) for p in single[0]]
             h1 = [t for ours, _ in pairs for t in ours[0]]
             e1 = [t for _, bare in pairs for t in bare[0]]
             err1 = sum(ours[2] + bare[2] for ours, bare in pairs)
