@@ -160,19 +160,98 @@ def bench_aging(path: str, args) -> dict[str, Any]:
 
 
 # -- the admission predictor --------------------------------------------------------------------------------------
+def record_predictions(engine) -> tuple[dict[str, dict], dict[str, Any]]:
+    """Wrap this engine's admission check and predictor (the instances, not the classes) to record each
+    prediction's terms: the queue it saw, the steps and tokens it counts, the two rates, and the remaining
+    output it assumed for the running requests against what they have left (these requests run exactly
+    max_tokens tokens). And a step listener: each step's time and prefill tokens, when each request was first
+    scheduled and got its first token (step indices), how often a request waited while a slot was free."""
+    predictor, scheduler = engine.predictor, engine.scheduler
+    made: dict[str, dict] = {}
+    steps: dict[str, Any] = {"seconds": {}, "prefill_tokens": {}, "first_scheduled": {}, "first_token": {},
+                             "waited_with_free_slot": 0}
+    check, predict, admitting = engine._check_deadline, predictor.predict, []
+
+    def checked(requests):
+        admitting[:] = [requests[0].parent_id]
+        check(requests)
+
+    def recorded(own, tokens_ahead, num_ahead, remaining, typical=None):
+        seconds = predict(own, tokens_ahead, num_ahead, remaining, typical)
+        made[admitting[0]] = {
+            "step": engine.num_steps, "predicted_s": seconds, "num_ahead": num_ahead, "tokens_ahead": tokens_ahead,
+            "own_tokens": own, "num_running": len(remaining), "typical_output": typical,
+            "slot_wait_steps": predictor.slot_wait_steps(num_ahead, remaining, typical),
+            "prefill_ahead_steps": predictor.prefill_steps(tokens_ahead, len(remaining)),
+            "own_steps": predictor.prefill_steps(own, len(remaining)),
+            "decode_step_s": predictor.decode_step_s, "per_prefill_token_s": predictor.per_prefill_token_s,
+            "remaining_assumed": sum(remaining),
+            "remaining_actual": sum(r.params.max_tokens - r.num_output_tokens for r in scheduler.running)}
+        return seconds
+
+    def listen(record):
+        batch = record.batch
+        if batch.is_empty:
+            return
+        steps["seconds"][record.step_index] = record.duration_s
+        steps["prefill_tokens"][record.step_index] = batch.num_tokens - batch.query_lens.count(1)
+        for sequence in record.running_ids:
+            steps["first_scheduled"].setdefault(record.parent_ids[sequence], record.step_index)
+        for sequence, sampled in zip(batch.request_ids, batch.sample):
+            if sampled:
+                steps["first_token"].setdefault(record.parent_ids[sequence], record.step_index)
+        if record.num_waiting and len(record.running_ids) < engine.config.max_num_seqs:
+            steps["waited_with_free_slot"] += 1
+
+    engine._check_deadline, predictor.predict, engine.step_listener = checked, recorded, listen
+    return made, steps
+
+
+def explain_predictions(made: dict[str, dict], steps: dict[str, Any], done: dict[str, dict]) -> list[dict]:
+    """Per request: the prediction's terms next to what happened. A prediction is (steps) x (seconds per step),
+    so predicted / measured = (predicted / actual steps) x (predicted / measured seconds per step): which of the
+    two is off."""
+    seconds, prefill = steps["seconds"], steps["prefill_tokens"]
+    rows = []
+    for request_id, p in made.items():
+        first_token = steps["first_token"].get(request_id)
+        if request_id not in done or first_token is None:
+            continue
+        window = range(p["step"], first_token + 1)  # the steps from admission to its first token
+        actual_steps = len(window)
+        measured_s = done[request_id]["first_token"] - done[request_id]["arrival"]
+        predicted_steps = max(p["slot_wait_steps"], p["prefill_ahead_steps"]) + p["own_steps"]
+        rows.append({**p, "request_id": request_id, "measured_s": measured_s,
+                     "predicted_steps": predicted_steps, "actual_steps": actual_steps,
+                     "actual_slot_wait_steps": steps["first_scheduled"][request_id] - p["step"],
+                     "actual_prefill_tokens": sum(prefill[i] for i in window),
+                     "measured_s_per_step": sum(seconds[i] for i in window) / actual_steps,
+                     "predicted_s_per_step": p["predicted_s"] / max(1, predicted_steps)})
+    return rows
+
+
+def ratio_quantiles(values: list[float]) -> str:
+    if not values:
+        return "-"
+    p10, p50, p90 = np.percentile(values, [10, 50, 90])
+    return f"{p50:.2f} ({p10:.2f}-{p90:.2f})"
+
+
 def bench_predictor(path: str, args) -> dict[str, Any]:
     """Poisson arrivals of seed-like requests; each request's predicted TTFT (at admission) against its
-    measured TTFT (arrival to first token)."""
+    measured TTFT (arrival to first token), then the prediction taken apart (``explain_predictions``)."""
     rng = np.random.default_rng(4)
     times = arrival_times(args.num_requests * 2, args.predictor_rate, seed=5)
     arrivals = [(t, str(i), random_tokens(rng, int(rng.integers(50, 800))), greedy(int(rng.integers(20, 200))), 0)
                 for i, t in enumerate(times)]
     engine = make_engine(path, args.threads, max_num_seqs=8, num_kv_blocks=500)
+    made, steps = record_predictions(engine)
     done = online_run(engine, arrivals, "predictor")
-    pairs = [(d["predicted"], d["first_token"] - d["arrival"]) for d in done.values() if d["predicted"] is not None]
-    errors = np.array([p - m for p, m in pairs])
-    relative = np.array([abs(p - m) / m for p, m in pairs])
-    result = {"num_predicted": len(pairs), "mean_measured_ttft_s": float(np.mean([m for _, m in pairs])),
+    rows = explain_predictions(made, steps, done)
+    predicted = np.array([r["predicted_s"] for r in rows])
+    measured = np.array([r["measured_s"] for r in rows])
+    errors, relative = predicted - measured, np.abs(predicted - measured) / measured
+    result = {"num_predicted": len(rows), "mean_measured_ttft_s": float(measured.mean()),
               "mean_error_s": float(errors.mean()), "mean_abs_error_s": float(np.abs(errors).mean()),
               "median_abs_relative_error": float(np.median(relative)),
               "p90_abs_relative_error": float(np.percentile(relative, 90)),
@@ -184,6 +263,28 @@ def bench_predictor(path: str, args) -> dict[str, Any]:
                 [[result["num_predicted"], result["mean_measured_ttft_s"], result["mean_error_s"],
                   result["mean_abs_error_s"], result["median_abs_relative_error"], result["p90_abs_relative_error"],
                   result["share_overpredicted"]]])
+    queued = [r for r in rows if r["slot_wait_steps"] or r["actual_slot_wait_steps"]]
+    decode_only = [s for i, s in steps["seconds"].items() if steps["prefill_tokens"][i] == 0]
+    terms = [
+        ["steps to first token, predicted / actual", ratio_quantiles([r["predicted_steps"] / r["actual_steps"]
+                                                                     for r in rows])],
+        ["prefill tokens until then, predicted / actual",
+         ratio_quantiles([(r["tokens_ahead"] + r["own_tokens"]) / max(1, r["actual_prefill_tokens"]) for r in rows])],
+        [f"slot wait in steps, predicted / actual ({len(queued)} requests that waited)",
+         ratio_quantiles([r["slot_wait_steps"] / max(1, r["actual_slot_wait_steps"]) for r in queued])],
+        ["remaining output of the running requests, assumed / actual",
+         ratio_quantiles([r["remaining_assumed"] / r["remaining_actual"] for r in rows if r["remaining_actual"]])],
+        ["seconds per step, predicted / measured in its window",
+         ratio_quantiles([r["predicted_s_per_step"] / r["measured_s_per_step"] for r in rows])],
+        ["decode-only step ms: median, mean, p99 (all steps)",
+         f"{1e3 * np.median(decode_only):.1f}, {1e3 * np.mean(decode_only):.1f}, "
+         f"{1e3 * np.percentile(decode_only, 99):.1f}" if decode_only else "-"],
+        ["steps with requests waiting and a slot free (KV or budget bound)", steps["waited_with_free_slot"]],
+        ["preemptions", engine.scheduler.num_preemptions],
+    ]
+    print_table("The prediction taken apart: median (p10-p90) over requests", ["term", "value"], terms)
+    result["terms"] = {name: value for name, value in terms}
+    result["requests"] = rows
     return result
 
 

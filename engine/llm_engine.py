@@ -196,10 +196,16 @@ class LLMEngine:
             return
         first, now = requests[0], time.time()
         num_ahead, tokens_ahead = self.scheduler.work_ahead_of(first, now)
-        remaining = [self._expected_remaining(r) for r in self.scheduler.running]
+        running = self.scheduler.running
+        remaining = [self._expected_remaining(r) for r in running]
+        # How long a newly admitted request holds its slot: the mean output of finished requests; before five
+        # have finished, the mean expected length of the running ones (the longest remainder, the predictor's
+        # default, over-counted slot waits by 1.5x on a cold start with a queue).
+        if self._num_output_lengths >= 5:
+            typical = int(self._sum_output_lengths / self._num_output_lengths)
+        else:
+            typical = (sum(remaining) + sum(r.num_output_tokens for r in running)) // len(running) if running else None
         # n siblings are admitted one after another: the last one's first token is the request's
-        typical = (int(self._sum_output_lengths / self._num_output_lengths) if self._num_output_lengths >= 5
-                   else None)
         predicted = self.predictor.predict(first.num_tokens * len(requests), tokens_ahead, num_ahead + len(requests) - 1,
                                            remaining, typical)
         for request in requests:

@@ -1,14 +1,23 @@
 """Predict a request's time to first token from the work queued ahead of it and measured step costs.
 
-Step time is modelled as (a decode step) + (time per prefill token) x (prefill tokens), both measured
-from the engine's own recent steps (so they follow the machine, the model and the load without
-configuration). A new request's first token needs:
+First in steps and tokens, from the queue (exact when the estimates of remaining output are):
 
-1. a batch slot: if the slots are full once the requests ranked ahead of it are counted, it waits
-   for that many running requests to end, estimated from their remaining output lengths (the
-   engine caps open-ended ones at twice the typical output seen) at the current decode step time;
-2. the prompts ahead of it pushed through the token budget left over by the decodes, chunk by chunk
-   (this happens in the same steps as 1, so the longer of the two counts), then its own prompt.
+1. a batch slot: if the slots are full once the requests ranked ahead of it are counted, the request
+   waits for that many running requests to end, one step per output token. They end in the order of
+   their remaining output (the engine's estimate: the max_tokens bound, open-ended requests capped at
+   twice the typical output seen), and each further round of every slot lasts a typical output;
+2. the prompts ahead of it go through the token budget left over by the decodes, chunk by chunk, in the
+   same steps as 1, so the longer of the two counts; then its own prompt's chunks.
+
+Then in seconds: a step costs (a decode step) + (time per prefill token) x (its prefill tokens), and every
+prompt token ahead, then its own, is computed in one of those steps, so
+
+    TTFT = steps x decode step + (prompt tokens ahead + own prompt tokens) x time per prefill token.
+
+Both rates are measured from the engine's own steps, so they follow the machine, the model and the load
+without configuration, and they are averaged so that one slow step does not move them much: on a shared
+machine a step now and then takes 10-100x the usual (another process had the core), and the slot wait
+multiplies the decode step by hundreds of steps.
 
 The engine uses it at admission: a request whose deadline is sooner than the prediction is refused
 at once (HTTP 429 with a ``Retry-After``) instead of timing out after occupying the queue.
@@ -17,69 +26,87 @@ at once (HTTP 429 with a ``Retry-After``) instead of timing out after occupying 
 from __future__ import annotations
 
 MIN_OBSERVATIONS = 8  # steps seen before predictions are trusted
+DECODE_DECAY = 0.98  # the decode step is averaged over ~50 decode-only steps
+PREFILL_DECAY = 0.9  # the prefill cost over ~10 steps with prefill (they are rarer)
+MAX_STEP_RATIO = 5.0  # a step counts at most this many times the current average
 
 
 class TTFTPredictor:
-    """Two measured rates, each an exponential moving average over the engine's own steps: the time of a
-    step with no prefill tokens (decodes only), and the extra time per prefill token in the other steps.
+    """Two measured rates: the time of a step with no prefill tokens (decodes only), a moving average of
+    such steps; and the extra time per prefill token of the other steps, as the ratio of moving sums
+    (extra seconds over the decode step / prefill tokens), so a step weighs by its tokens.
 
-    (A least-squares fit of base + per token + per row was tried first: with mixed steps dominating under
-    load its terms traded off against each other and predictions drifted by 20x.)"""
+    A step counts at most ``MAX_STEP_RATIO`` x the current average (one stall moves the average by 8%, a
+    lasting change comes through in tens of steps), and the first step of each kind not at all (it pays
+    one-time costs: allocation, kernel selection). (A least-squares fit of base + per token + per row was
+    tried first: with mixed steps dominating under load its terms traded off and predictions drifted by
+    20x. An average of per-step ratios with a ~20-step window, next, followed stalls: x10 over-predictions.)
+    """
 
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, decay: float = 0.95) -> None:
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.decay = decay
         self.decode_step_s: float | None = None
         self.per_prefill_token_s: float | None = None
         self.num_observations = 0
+        self._prefill_extra_s = 0.0  # moving sums whose ratio is per_prefill_token_s
+        self._prefill_tokens = 0.0
+        self._seen_decode = self._seen_prefill = False
 
     @property
     def ready(self) -> bool:
-        return self.num_observations >= MIN_OBSERVATIONS and self.per_prefill_token_s is not None
+        return (self.num_observations >= MIN_OBSERVATIONS and self.decode_step_s is not None
+                and self.per_prefill_token_s is not None)
 
-    def observe(self, seconds: float, num_prefill_tokens: int, num_decode_rows: int) -> None:
+    def observe(self, seconds: float, num_prefill_tokens: int, num_decode_rows: int = 0) -> None:
+        """One engine step's wall time. Decode rows are part of the decode step (their count moves slowly
+        compared with the average)."""
         self.num_observations += 1
         if num_prefill_tokens == 0:
-            self.decode_step_s = self._average(self.decode_step_s, seconds)
+            average = self.decode_step_s
+            if average is None:
+                if self._seen_decode:
+                    self.decode_step_s = seconds
+                self._seen_decode = True
+                return
+            seconds = min(seconds, MAX_STEP_RATIO * average)
+            self.decode_step_s = DECODE_DECAY * average + (1 - DECODE_DECAY) * seconds
             return
-        base = self.decode_step_s if self.decode_step_s is not None else 0.0
-        self.per_prefill_token_s = self._average(self.per_prefill_token_s,
-                                                 max(0.0, seconds - base) / num_prefill_tokens)
+        if not self._seen_prefill:
+            self._seen_prefill = True
+            return
+        extra = max(0.0, seconds - (self.decode_step_s or 0.0))
+        if self.per_prefill_token_s is not None:
+            extra = min(extra, MAX_STEP_RATIO * self.per_prefill_token_s * num_prefill_tokens)
+        self._prefill_extra_s = PREFILL_DECAY * self._prefill_extra_s + extra
+        self._prefill_tokens = PREFILL_DECAY * self._prefill_tokens + num_prefill_tokens
+        self.per_prefill_token_s = self._prefill_extra_s / self._prefill_tokens
 
-    def _average(self, current: float | None, value: float) -> float:
-        return value if current is None else self.decay * current + (1 - self.decay) * value
+    def slot_wait_steps(self, num_ahead: int, running_remaining: list[int], typical_output: int | None = None) -> int:
+        """Steps until a slot is free for a request behind ``num_ahead`` waiting ones, while requests with
+        ``running_remaining`` output tokens left hold slots. ``typical_output``: how long a request that has
+        just been admitted keeps its slot (default: the longest running remainder)."""
+        must_end = num_ahead + 1 - (self.max_num_seqs - len(running_remaining))  # running requests that must end
+        if must_end <= 0 or not running_remaining:
+            return 0
+        ordered = sorted(running_remaining)
+        rounds, index = divmod(must_end - 1, len(ordered))  # each round frees every slot once more
+        per_round = typical_output if typical_output is not None else ordered[-1]
+        return ordered[index] + rounds * per_round
 
-    def step_seconds(self, num_prefill_tokens: float, num_decode_rows: float = 0) -> float:
-        """A step's predicted time; decode rows are part of the measured decode step (their count moves
-        slowly compared with the average)."""
-        return (self.decode_step_s or 0.0) + (self.per_prefill_token_s or 0.0) * num_prefill_tokens
+    def prefill_steps(self, tokens: int, num_decode_rows: int) -> int:
+        """Steps to push ``tokens`` of prompt through the budget left next to ``num_decode_rows`` decodes."""
+        per_step = max(1, self.max_num_batched_tokens - min(num_decode_rows, self.max_num_seqs))
+        return -(-max(0, tokens) // per_step)
 
     def predict(self, own_prompt_tokens: int, tokens_ahead: int, num_ahead: int,
                 running_remaining: list[int], typical_output: int | None = None) -> float:
         """Seconds until the first token of a request with ``own_prompt_tokens`` left to compute, behind
-        ``num_ahead`` waiting requests holding ``tokens_ahead`` uncomputed tokens, while requests with
-        ``running_remaining`` output tokens left hold slots. ``typical_output``: how long a request that
-        has just been admitted keeps its slot (default: the longest running remainder).
-
-        The wait for a slot and the prefill of the prompts ahead happen in the same steps (chunks of
-        their prefill ride with the decodes), so the longer of the two counts, then the request's own
-        prefill."""
-        num_rows = min(len(running_remaining), self.max_num_seqs)
-        per_step = max(1, self.max_num_batched_tokens - num_rows)  # prefill tokens a step can take next to decodes
-        slot_wait = 0.0
-        must_end = num_ahead + 1 - (self.max_num_seqs - len(running_remaining))  # running requests that must end first
-        if must_end > 0 and running_remaining:
-            ordered = sorted(running_remaining)
-            rounds, index = divmod(must_end - 1, len(ordered))  # each round frees every slot once more
-            per_round = typical_output if typical_output is not None else ordered[-1]
-            slot_wait = (ordered[index] + rounds * per_round) * self.step_seconds(0)
-        ahead = self._prefill_seconds(tokens_ahead, per_step, num_rows)
-        return max(slot_wait, ahead) + self._prefill_seconds(own_prompt_tokens, per_step, num_rows)
-
-    def _prefill_seconds(self, tokens: int, per_step: int, num_rows: int) -> float:
-        """``tokens`` of prompt pushed through steps of ``per_step`` prefill tokens next to ``num_rows`` decodes."""
-        if tokens <= 0:
-            return 0.0
-        steps = -(-tokens // per_step)
-        return steps * self.step_seconds(0) + tokens * (self.per_prefill_token_s or 0.0)
+        ``num_ahead`` waiting requests and ``tokens_ahead`` uncomputed prompt tokens (see the module
+        docstring; the arguments are those of ``slot_wait_steps``)."""
+        num_rows = len(running_remaining)
+        steps = (max(self.slot_wait_steps(num_ahead, running_remaining, typical_output),
+                     self.prefill_steps(tokens_ahead, num_rows))
+                 + self.prefill_steps(own_prompt_tokens, num_rows))
+        return (steps * (self.decode_step_s or 0.0)
+                + (max(0, tokens_ahead) + own_prompt_tokens) * (self.per_prefill_token_s or 0.0))

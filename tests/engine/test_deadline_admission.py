@@ -8,49 +8,13 @@ import pytest
 
 from engine import AsyncLLMEngine, DeadlineUnmeetableError, SamplingParams
 from engine.ttft_predictor import MIN_OBSERVATIONS, TTFTPredictor
-from tests.engine.helpers import ENGINE_DEFAULTS, greedy, make_engine, random_prompts, run_engine
-
-
-DECODE_S, PER_TOKEN_S = 0.003, 1e-4
-
-
-def fitted(budget=64, slots=4) -> TTFTPredictor:
-    predictor = TTFTPredictor(budget, slots)
-    for tokens in [0, 0, 64, 32, 0, 50, 0, 20, 60]:
-        predictor.observe(DECODE_S + PER_TOKEN_S * tokens, tokens, 2)
-    return predictor
-
-
-def test_predictor_measures_decode_steps_and_prefill_cost_per_token():
-    predictor = fitted()
-    assert predictor.ready
-    assert predictor.decode_step_s == pytest.approx(DECODE_S)
-    assert predictor.per_prefill_token_s == pytest.approx(PER_TOKEN_S)
-    assert predictor.step_seconds(100) == pytest.approx(DECODE_S + 100 * PER_TOKEN_S)
-
-
-def test_prediction_counts_prefill_chunks_and_waiting_for_a_slot():
-    predictor = fitted()
-    # A free slot, nobody ahead: 100 prompt tokens through (64 - 2 decode rows) = 62 per step -> 2 steps.
-    alone = predictor.predict(100, tokens_ahead=0, num_ahead=0, running_remaining=[5, 9])
-    assert alone == pytest.approx(2 * DECODE_S + 100 * PER_TOKEN_S)
-    # All 4 slots busy (remaining 3, 7, 8, 20 tokens) and one request ahead: the 2nd to end (7 steps) frees
-    # ours. The 30 tokens ahead are prefilled during that wait (1 step, shorter), then our 100 (2 steps).
-    busy = predictor.predict(100, tokens_ahead=30, num_ahead=1, running_remaining=[20, 3, 8, 7])
-    assert busy == pytest.approx(7 * DECODE_S + 2 * DECODE_S + 100 * PER_TOKEN_S)
-    # Five requests ahead: one round of all four slots, then the 2nd again; a round lasts the typical output.
-    queued = predictor.predict(10, tokens_ahead=30, num_ahead=5, running_remaining=[20, 3, 8, 7], typical_output=12)
-    assert queued == pytest.approx((7 + 12) * DECODE_S + DECODE_S + 10 * PER_TOKEN_S)
-    # A long prefill queue ahead outlasts the slot wait: then it is what counts.
-    long_queue = predictor.predict(10, tokens_ahead=6000, num_ahead=1, running_remaining=[20, 3, 8, 7])
-    assert long_queue == pytest.approx(100 * DECODE_S + 6000 * PER_TOKEN_S + DECODE_S + 10 * PER_TOKEN_S)
-
-
-def test_predictor_is_silent_until_it_has_seen_enough_steps():
-    predictor = TTFTPredictor(64, 4)
-    for _ in range(MIN_OBSERVATIONS - 1):
-        predictor.observe(0.01, 10, 1)
-    assert not predictor.ready
+from tests.engine.helpers import (
+    ENGINE_DEFAULTS,
+    greedy,
+    make_engine,
+    random_prompts,
+    run_engine,
+)
 
 
 def busy_engine():
@@ -127,3 +91,54 @@ def test_remaining_work_of_requests_without_max_tokens_is_estimated_from_finishe
     (request,) = engine.scheduler.running
     assert request.max_total_tokens - request.num_tokens > 500  # its own bound: max_model_len
     assert engine._expected_remaining(request) == 2 * 6 - request.num_output_tokens
+
+
+DECODE_S, PER_TOKEN_S = 0.003, 1e-4
+
+
+def known_rates(engine) -> None:
+    """Replace the engine's measured rates with known ones, so its predictions can be checked exactly."""
+    predictor = TTFTPredictor(engine.config.max_num_batched_tokens, engine.config.max_num_seqs)
+    for tokens in [0, 64] + [0, 10] * MIN_OBSERVATIONS:
+        predictor.observe(DECODE_S + PER_TOKEN_S * tokens, tokens)
+    assert predictor.ready
+    engine.predictor = predictor
+
+
+def test_engine_predicts_from_its_queue_and_running_requests():
+    """Two slots, both decoding (30 and 40 output tokens to go), then two requests queue: the first waits for
+    the shorter remainder, the second for the longer one and behind the first's prompt."""
+    engine = make_engine(max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=512)
+    short, long = random_prompts(2, 10, 10, seed=6)
+    engine.add_request("a", short, greedy(34))
+    engine.add_request("b", long, greedy(43))
+    for _ in range(4):
+        engine.step()
+    a, b = engine.scheduler.running
+    assert (a.num_output_tokens, b.num_output_tokens) == (4, 3)  # b's prompt took the 6 tokens a left in step 1
+    known_rates(engine)
+    engine.add_request("c", random_prompts(1, 20, 20, seed=7)[0], greedy(4))
+    engine.add_request("d", random_prompts(1, 12, 12, seed=8)[0], greedy(4))
+    engine.add_request("e", random_prompts(1, 8, 8, seed=11)[0], greedy(4))
+    c, d, e = engine.scheduler.waiting
+    # c: a ends in 30 steps; its 20 tokens take 2 steps of 14 (16 minus 2 decodes).
+    assert c.metrics.predicted_ttft_s == pytest.approx((30 + 2) * DECODE_S + 20 * PER_TOKEN_S)
+    # d: b ends in 40 steps (c's 20 tokens are prefilled meanwhile); its own 12 tokens take 1 step.
+    assert d.metrics.predicted_ttft_s == pytest.approx((40 + 1) * DECODE_S + 32 * PER_TOKEN_S)
+    # e: c's slot (a's, after 30 steps) frees again after c's output. Nobody has finished yet, so that is the
+    # mean expected length of the running requests: (4 + 30 + 3 + 40) // 2 = 38 steps.
+    assert e.metrics.predicted_ttft_s == pytest.approx((30 + 38 + 1) * DECODE_S + 40 * PER_TOKEN_S)
+
+
+def test_prompt_chunks_of_running_requests_count_as_work_ahead():
+    """A running request still in prefill takes the token budget before anyone admitted after it."""
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=512)
+    engine.add_request("long", random_prompts(1, 40, 40, seed=9)[0], greedy(4))
+    engine.step()  # 16 of its 40 prompt tokens
+    newcomer = engine.make_requests("new", random_prompts(1, 10, 10, seed=10)[0], greedy(4))[0]
+    assert engine.scheduler.work_ahead_of(newcomer, newcomer.metrics.arrival_time) == (0, 24)
+    known_rates(engine)
+    engine.enqueue([newcomer])
+    # No slot wait; the 24 tokens left go first, 15 a step (the budget less a row for the running request): 2 steps,
+    # then its own 10 in 1.
+    assert newcomer.metrics.predicted_ttft_s == pytest.approx((2 + 1) * DECODE_S + 34 * PER_TOKEN_S)
