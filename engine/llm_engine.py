@@ -198,13 +198,12 @@ class LLMEngine:
         num_ahead, tokens_ahead = self.scheduler.work_ahead_of(first, now)
         running = self.scheduler.running
         remaining = [self._expected_remaining(r) for r in running]
-        # How long a newly admitted request holds its slot: the mean output of finished requests; before five
-        # have finished, the mean expected length of the running ones (the longest remainder, the predictor's
-        # default, over-counted slot waits by 1.5x on a cold start with a queue).
-        if self._num_output_lengths >= 5:
-            typical = int(self._sum_output_lengths / self._num_output_lengths)
-        else:
-            typical = (sum(remaining) + sum(r.num_output_tokens for r in running)) // len(running) if running else None
+        # How long a newly admitted request holds its slot: the mean output length of the finished requests and
+        # the running ones (their expected length). Finished ones alone are a handful on a cold start: their mean
+        # was 30% off and each round of slots in a deep queue repeated it (slot waits 1.4x too long).
+        num_lengths = self._num_output_lengths + len(running)
+        typical = ((self._sum_output_lengths + sum(remaining) + sum(len(r.output_token_ids) for r in running))
+                   // num_lengths if num_lengths else None)
         # n siblings are admitted one after another: the last one's first token is the request's
         predicted = self.predictor.predict(first.num_tokens * len(requests), tokens_ahead, num_ahead + len(requests) - 1,
                                            remaining, typical)

@@ -142,3 +142,23 @@ def test_prompt_chunks_of_running_requests_count_as_work_ahead():
     # No slot wait; the 24 tokens left go first, 15 a step (the budget less a row for the running request): 2 steps,
     # then its own 10 in 1.
     assert newcomer.metrics.predicted_ttft_s == pytest.approx((2 + 1) * DECODE_S + 34 * PER_TOKEN_S)
+
+
+def test_a_round_of_slots_lasts_the_mean_output_of_finished_and_running_requests():
+    """Six requests of 10 output tokens finished, two run (14 and 16 tokens, 4 and 3 done): a round of the two
+    slots lasts (6 x 10 + 14 + 16) // 8 = 11 steps."""
+    engine = make_engine(max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=512)
+    for i, prompt in enumerate(random_prompts(6, 5, 5, seed=12)):
+        engine.add_request(f"done{i}", prompt, greedy(10))
+    run_engine(engine)
+    short, long = random_prompts(2, 10, 10, seed=6)
+    engine.add_request("a", short, greedy(14))
+    engine.add_request("b", long, greedy(16))
+    for _ in range(4):
+        engine.step()
+    known_rates(engine)
+    for name, length, seed in (("c", 20, 7), ("d", 12, 8), ("e", 8, 11)):
+        engine.add_request(name, random_prompts(1, length, length, seed=seed)[0], greedy(4))
+    e = engine.scheduler.waiting[-1]
+    # e needs the third slot to free: a's (10 steps left), then c's round of 11; its 8 tokens take 1 step.
+    assert e.metrics.predicted_ttft_s == pytest.approx((10 + 11 + 1) * DECODE_S + 40 * PER_TOKEN_S)
