@@ -3,7 +3,7 @@ flood with and without aging, and the admission predictor's error against measur
 
     python -m benchmarks.policies prefix      # shared-prefix workload, cache on vs off
     python -m benchmarks.policies aging       # priority flood: p50/p99 queue wait per class, aging on vs off
-    python -m benchmarks.policies predictor   # predicted vs measured TTFT under Poisson arrivals
+    python -m benchmarks.policies predictor   # predicted vs measured TTFT under Poisson arrivals, taken apart
     python -m benchmarks.policies all --json policies.json
 
 All runs use the benchmark checkpoint (``benchmarks.workloads``) on the CPU, in one process, side by side.

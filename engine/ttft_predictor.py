@@ -1,11 +1,13 @@
 """Predict a request's time to first token from the work queued ahead of it and measured step costs.
 
-First in steps and tokens, from the queue (exact when the estimates of remaining output are):
+First in steps and tokens, from the queue:
 
 1. a batch slot: if the slots are full once the requests ranked ahead of it are counted, the request
    waits for that many running requests to end, one step per output token. They end in the order of
    their remaining output (the engine's estimate: the max_tokens bound, open-ended requests capped at
-   twice the typical output seen), and each further round of every slot lasts a typical output;
+   twice the mean output seen), and each further round of every slot lasts a typical output (the engine
+   passes the mean output of finished and running requests). Rounds fit outputs of similar lengths; with
+   a long tail, short requests cycle through a few slots while long ones hold the rest, and this over-counts;
 2. the prompts ahead of it go through the token budget left over by the decodes, chunk by chunk, in the
    same steps as 1, so the longer of the two counts; then its own prompt's chunks.
 
