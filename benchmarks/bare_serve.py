@@ -19,7 +19,8 @@ from benchmarks.no_work_engine import STEP_S, TOKEN_TEXT
 api = FastAPI()
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
+                  logging_config={"enable_access_log": False})
 class BareTokens:
     async def generate(self, num_tokens: int):
         for _ in range(num_tokens):
@@ -27,7 +28,8 @@ class BareTokens:
             yield TOKEN_TEXT
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
+                  logging_config={"enable_access_log": False})
 @serve.ingress(api)
 class BareRouter:
     def __init__(self, tokens) -> None:

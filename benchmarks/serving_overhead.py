@@ -100,10 +100,12 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None) 
     import ray
     from ray import serve
 
+    from serve_app import ray_env
     from serve_app.app import make_app
     from serve_app.config import AppConfig
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray_env.apply()  # as `make run` starts Ray (ray.init below passes the environment on to Ray's processes)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": 8000}, logging_config={"enable_access_log": False})
     extra = {"max_messages_per_s": max_messages_per_s} if max_messages_per_s else {}

@@ -5,6 +5,7 @@ set -uo pipefail
 config="${1:-configs/demo.yaml}"
 bin="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"  # Ray >= 2.59 turns token auth on for local clusters
+eval "$("$bin/python" -m serve_app.ray_env)"  # Serve's throughput settings (serve_app/ray_env.py), before Ray starts
 
 cleanup() {
   trap - INT TERM EXIT

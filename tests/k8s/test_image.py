@@ -37,3 +37,13 @@ def test_image_installs_the_project_with_its_gpu_extras_and_every_pod_runs_it():
     templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
     images = {c["image"] for t in templates for c in t["spec"]["containers"]}
     assert len(images) == 1, f"head and workers must run the same image: {images}"
+
+
+def test_image_starts_ray_with_the_serve_settings_make_run_uses():
+    from serve_app.ray_env import SERVE_ENV
+
+    text = DOCKERFILE.read_text().replace("\\\n", " ")  # continuation lines joined
+    env_lines = re.findall(r"^ENV\s+(.*)$", text, flags=re.MULTILINE)
+    env = dict(re.findall(r"\b(RAY_[A-Z_]+)=(\S+)", " ".join(env_lines)))
+    assert env == SERVE_ENV, env
+    assert "RAY_AUTH_MODE" not in DOCKERFILE.read_text(), "token auth is a cluster's own decision, not the image's"
