@@ -7,6 +7,14 @@ bin="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"  # Ray >= 2.59 turns token auth on for local clusters
 eval "$("$bin/python" -m serve_app.ray_env)"  # Serve's throughput settings (serve_app/ray_env.py), before Ray starts
 
+# Another Ray on this machine (a `make run` in another terminal, a test session, your own cluster) is left
+# alone: `ray stop` cannot tell clusters apart, so this script only ever stops a cluster it started itself.
+if "$bin/ray" status >/dev/null 2>&1; then
+  echo "a Ray cluster is already running on this machine: stop it first (ray stop), or serve into it with" >&2
+  echo "  $bin/serve run --address auto $config" >&2
+  exit 1
+fi
+
 cleanup() {
   trap - INT TERM EXIT
   echo "stopping Ray ..."
@@ -14,7 +22,6 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 
-"$bin/ray" stop --force >/dev/null 2>&1
 "$bin/ray" start --head --disable-usage-stats --include-dashboard=true --dashboard-host 127.0.0.1 \
   --dashboard-port 8265 --metrics-export-port 8080 || exit 1
 echo "dashboard: http://127.0.0.1:8265   metrics: http://127.0.0.1:8080/metrics   API: http://127.0.0.1:8000/v1"
