@@ -264,6 +264,19 @@ class Router:
 
     async def _open(self, payload: dict[str, Any], deadline: float, attempt_base: int = 0):
         """Start the request on some replica; returns (response generator, first message)."""
+        def stream(request: dict[str, Any]):
+            gen = self.replicas.generate.remote(request)
+            return gen, gen.__anext__()
+
+        return await self._first_answer(payload, deadline, stream, attempt_base)
+
+    async def _first_answer(self, payload: dict[str, Any], deadline: float, call, attempt_base: int = 0):
+        """Send ``payload`` to a replica and await its first answer; returns (the call's response, that answer).
+
+        ``call(request)`` makes the handle call and returns (response, awaitable of its first answer): a
+        stream's first message, or a unary call's result. A replica lost before it answered is replaced by
+        another (bounded by ``max_attempts``): nothing has reached the client yet. Every other failure
+        cancels the call, which aborts the request in the engine."""
         last_error: BaseException | None = None
         for attempt in range(attempt_base, self.config.max_attempts):
             request = {**payload, "timeout_s": max(0.001, deadline - time.monotonic()),
@@ -271,30 +284,30 @@ class Router:
                        "strict_deadline": payload.get("client_timeout", False)}
             if attempt:
                 request["request_id"] = f"{payload['request_id']}-retry{attempt}"
-            gen = self.replicas.generate.remote(request)
+            response, first_answer = call(request)
             try:
-                first = await asyncio.wait_for(gen.__anext__(), timeout=max(0.001, deadline + DEADLINE_GRACE_S
-                                                                            - time.monotonic()))
+                first = await asyncio.wait_for(first_answer, timeout=max(0.001, deadline + DEADLINE_GRACE_S
+                                                                         - time.monotonic()))
             except REPLICA_GONE as e:
                 last_error = e
-                logger.warning("replica lost before request %s started (attempt %d): %r", payload["request_id"],
+                logger.warning("replica lost before request %s was answered (attempt %d): %r", payload["request_id"],
                                attempt + 1, e)
                 await asyncio.sleep(min(1.0, 0.1 * 2 ** attempt))
                 continue
             except asyncio.TimeoutError:
-                gen.cancel()
+                response.cancel()
                 self.metrics.timeouts.inc()  # the router's own deadline guard fired, not the engine's
-                raise RequestTimeoutError("request timed out before it started", code="timeout") from None
+                raise RequestTimeoutError("request timed out before the replica answered", code="timeout") from None
             except asyncio.CancelledError:
-                gen.cancel()
+                response.cancel()
                 raise
             except Exception as e:
-                gen.cancel()
-                logger.exception("replica failed to start request %s", payload["request_id"])
+                response.cancel()
+                logger.exception("replica failed request %s", payload["request_id"])
                 raise ServerError(f"replica failed: {type(e).__name__}") from None
             if "error" in first:
                 raise APIError.from_dict(first["error"])
-            return gen, first
+            return response, first
         reason = _lost_reason(last_error) if last_error is not None else "no replica answered"
         raise ServiceUnavailableError(f"no replica could take the request in {self.config.max_attempts} attempts; "
                                       f"the last one failed because {reason}", code="replica_lost")
@@ -334,41 +347,13 @@ class Router:
             gen.cancel()  # a no-op when finished; aborts the engine request when we leave early
 
     async def _embed(self, payload: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """One ``LLMReplica.embed`` call for all of a request's inputs; a replica lost before it answered is
-        replaced by another (bounded by ``max_attempts``): nothing was sent to the client yet."""
-        last_error: BaseException | None = None
-        for attempt in range(self.config.max_attempts):
-            request = {**payload, "timeout_s": max(0.001, deadline - time.monotonic()),
-                       "strict_deadline": payload["client_timeout"]}
-            if attempt:
-                request["request_id"] = f"{payload['request_id']}-retry{attempt}"
+        """One ``LLMReplica.embed`` call for all of a request's inputs (retried like a stream's start)."""
+        def unary(request: dict[str, Any]):
             response = self.control.embed.remote(request)
-            try:
-                result = await asyncio.wait_for(response, timeout=max(0.001, deadline + DEADLINE_GRACE_S
-                                                                      - time.monotonic()))
-            except REPLICA_GONE as e:
-                last_error = e
-                logger.warning("replica lost during embeddings request %s (attempt %d): %r", payload["request_id"],
-                               attempt + 1, e)
-                await asyncio.sleep(min(1.0, 0.1 * 2 ** attempt))
-                continue
-            except asyncio.TimeoutError:
-                response.cancel()
-                self.metrics.timeouts.inc()
-                raise RequestTimeoutError("request timed out", code="timeout") from None
-            except asyncio.CancelledError:
-                response.cancel()
-                raise
-            except Exception as e:
-                response.cancel()
-                logger.exception("replica failed embeddings request %s", payload["request_id"])
-                raise ServerError(f"replica failed: {type(e).__name__}") from None
-            if "error" in result:
-                raise APIError.from_dict(result["error"])
-            return result
-        reason = _lost_reason(last_error) if last_error is not None else "no replica answered"
-        raise ServiceUnavailableError(f"no replica could take the request in {self.config.max_attempts} attempts; "
-                                      f"the last one failed because {reason}", code="replica_lost")
+            return response, response
+
+        _, result = await self._first_answer(payload, deadline, unary)
+        return result
 
     async def _full_response(self, payloads: list[dict[str, Any]], body, kind: str, deadline: float) -> dict:
         n = body.n
