@@ -24,6 +24,7 @@ from typing import Awaitable, Callable
 import httpx
 from tqdm import tqdm
 
+from benchmarks.no_work_engine import STEP_S
 from benchmarks.openai_client import stream_completion
 from benchmarks.report import format_table, write_json
 
@@ -203,16 +204,10 @@ def main() -> None:
               f"(target >= 80%: {'met' if share >= 0.8 else 'missed'}); TTFT added at 1 stream {added:.1f} ms "
               f"(target <= 10 ms: {'met' if added <= 10 else 'missed'}); errors {err1 + err64}")
     else:
-        print(f"\nno-work engine (a token every {_step_s() * 1e3:.0f} ms, no CPU) behind our Router and LLMReplica "
+        print(f"\nno-work engine (a token every {STEP_S * 1e3:.0f} ms, no CPU) behind our Router and LLMReplica "
               f"(HTTP) against the bare Ray Serve path (a token per message, nothing else): the serving path's "
               f"floor on this machine; errors {err1 + err64}")
     write_json(args.json, results)
-
-
-def _step_s() -> float:
-    from benchmarks.no_work_engine import STEP_S
-
-    return STEP_S
 
 
 if __name__ == "__main__":

@@ -136,13 +136,7 @@ class CompletionRequest(_Sampling):
         return self
 
     def prompts(self) -> list[str | list[int]]:
-        """One or more prompts: a string, strings, token ids, or lists of token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return list(prompt)
+        return _prompt_list(self.prompt)
 
 
 class ChatMessage(BaseModel):
@@ -229,9 +223,14 @@ class EmbeddingRequest(BaseModel):
         return value
 
     def inputs(self) -> list[str | list[int]]:
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if value and all(isinstance(t, int) for t in value):
-            return [list(value)]
-        return list(value)
+        return _prompt_list(self.input)
+
+
+def _prompt_list(value: str | list) -> list[str | list[int]]:
+    """OpenAI's prompt (or embeddings input) as a list of prompts: a string, strings, token ids, or lists of
+    token ids."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(t, int) for t in value):
+        return [list(value)]
+    return list(value)

@@ -59,12 +59,9 @@ class LLMReplica:
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self._ensure_stats_task()
-        stats = self.engine.stats()
-        if stats["num_waiting"] >= self.max_queued_requests:
-            self.metrics.rejections.inc()
-            retry = self.drain.seconds_to_drain(stats["num_waiting"] - self.max_queued_requests + 1)
-            yield {"error": OverloadedError(f"replica queue is full ({stats['num_waiting']} waiting)",
-                                            retry_after_s=retry).to_dict()}
+        refusal = self._refuse_if_full(self.engine.stats()["num_waiting"])
+        if refusal is not None:
+            yield refusal
             return
         try:
             prompt = self._prompt(request)
@@ -96,8 +93,7 @@ class LLMReplica:
                 if output.finished:
                     self._on_finished(output)
         except DeadlineUnmeetableError as e:  # refused at admission (before any output): a late first token predicted
-            self.metrics.rejections.inc()
-            yield {"error": OverloadedError(str(e), retry_after_s=e.retry_after_s).to_dict()}
+            yield self._refuse_unmeetable(e)
         finally:
             self.num_streams -= 1
             # counted once per request: a metric update per message costs more than it (Ray refuses inc(0):
@@ -112,12 +108,9 @@ class LLMReplica:
         call is cancelled (the client left, the router's deadline passed), every input is aborted."""
         self._ensure_stats_task()
         stats = self.engine.stats()
-        queued = stats["num_waiting"] + stats.get("num_prefill_lane_waiting", 0)
-        if queued >= self.max_queued_requests:
-            self.metrics.rejections.inc()
-            retry = self.drain.seconds_to_drain(queued - self.max_queued_requests + 1)
-            return {"error": OverloadedError(f"replica queue is full ({queued} waiting)",
-                                             retry_after_s=retry).to_dict()}
+        refusal = self._refuse_if_full(stats["num_waiting"] + stats.get("num_prefill_lane_waiting", 0))
+        if refusal is not None:
+            return refusal
         params = PoolingParams(timeout_s=request.get("timeout_s"),
                                reject_unmeetable_deadline=request.get("strict_deadline", True))
         inputs = request["inputs"]
@@ -133,8 +126,7 @@ class LLMReplica:
         try:
             outputs = await asyncio.gather(*tasks)
         except DeadlineUnmeetableError as e:  # refused at admission (mixed mode): a late result predicted
-            self.metrics.rejections.inc()
-            return {"error": OverloadedError(str(e), retry_after_s=e.retry_after_s).to_dict()}
+            return self._refuse_unmeetable(e)
         finally:
             for task in tasks:  # a request whose stream is left unfinished is aborted (the stream's own finally)
                 task.cancel()
@@ -148,6 +140,19 @@ class LLMReplica:
         if "abort" in reasons:
             return {"error": ServiceUnavailableError("request was aborted by the engine").to_dict()}
         return {"embeddings": [pack_embedding(o.embedding) for o in outputs], "prompt_tokens": num_prompt_tokens}
+
+    def _refuse_if_full(self, queued: int) -> dict[str, Any] | None:
+        """The 429 message when ``queued`` requests already wait here (Retry-After from the drain rate), else None."""
+        if queued < self.max_queued_requests:
+            return None
+        self.metrics.rejections.inc()
+        retry = self.drain.seconds_to_drain(queued - self.max_queued_requests + 1)
+        return {"error": OverloadedError(f"replica queue is full ({queued} waiting)", retry_after_s=retry).to_dict()}
+
+    def _refuse_unmeetable(self, error: DeadlineUnmeetableError) -> dict[str, Any]:
+        """The 429 message for a request the engine refused at admission: its deadline cannot be met."""
+        self.metrics.rejections.inc()
+        return {"error": OverloadedError(str(error), retry_after_s=error.retry_after_s).to_dict()}
 
     def _prompt(self, request: dict[str, Any]):
         if "prompt_token_ids" in request:  # the router tokenized it (prefix affinity hashes the ids)
