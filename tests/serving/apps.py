@@ -20,7 +20,9 @@ DEMO_APP_ARGS: dict[str, Any] = {
     "num_replicas": 1,
     "num_cpus_per_replica": 1,
     "max_pending_requests": 48,
-    "max_queued_requests_per_replica": 32,
+    # Above max_pending_requests, so the router's bound is the one a burst meets: with the replica's lower,
+    # the replica's quick 429s could keep the router under its own bound (a race the metrics test lost once).
+    "max_queued_requests_per_replica": 64,
     "default_timeout_s": 60,
 }
 
