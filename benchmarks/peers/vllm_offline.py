@@ -2,51 +2,37 @@
 
 This file is executed by the Python of a separate virtualenv that holds vLLM (``make peer-venv``),
 never imported by ours: it uses the standard library and vLLM only. ``benchmarks.vllm_baseline``
-writes the job (checkpoint, token-id prompts, output lengths, engine sizes) to a JSON file, runs
+writes the job (checkpoint, token-id prompts, output lengths, engine sizes, the KV override) to a JSON
+file, runs
 
     PEER_PYTHON benchmarks/peers/vllm_offline.py JOB.json RESULT.json
 
 and reads back the result: per request the seconds from the first submission to its completion,
-each request's output length, the warm-up and the engine's settings.
+each request's output length, the KV cache vLLM ended up with, its version and environment.
 
 Every request is added at t=0 and the engine is stepped until all are done, the way ``LLM.generate``
-drives it; stepping it here lets each completion be timed (``LLM.generate`` returns only at the end).
+drives it (final outputs only); stepping it here lets each completion be timed (``LLM.generate`` returns
+only at the end).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
 
 
-def kv_cache_sizes(kv_budget_tokens: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                   dtype_bytes: int) -> tuple[int, int]:
-    """(num_gpu_blocks_override, kv_cache_memory_bytes) for exactly ``kv_budget_tokens`` of KV: vLLM holds
-    one block back, so it gets one more block than the budget needs, and exactly those blocks' bytes."""
-    num_blocks = math.ceil(kv_budget_tokens / block_size) + 1
-    bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-    return num_blocks, num_blocks * bytes_per_block
-
-
 def build_llm(job: dict):
     from vllm import LLM
 
-    with open(os.path.join(job["model"], "config.json")) as f:
-        cfg = json.load(f)
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[job["dtype"]]
-    num_heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-    num_blocks, kv_bytes = kv_cache_sizes(job["kv_budget_tokens"], job["block_size"], cfg["num_hidden_layers"],
-                                          cfg.get("num_key_value_heads", num_heads), head_dim, dtype_bytes)
     return LLM(
         model=job["model"],
         dtype=job["dtype"],
         block_size=job["block_size"],
-        num_gpu_blocks_override=num_blocks,
-        kv_cache_memory_bytes=kv_bytes,
+        # exactly the KV budget: vLLM holds one block back, and sizes the pool by bytes as well as blocks
+        num_gpu_blocks_override=job["num_gpu_blocks_override"],
+        kv_cache_memory_bytes=job["kv_cache_memory_bytes"],
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=job["max_num_batched_tokens"],
         max_model_len=job["max_model_len"],
@@ -57,8 +43,12 @@ def build_llm(job: dict):
 
 def params(max_tokens: int):
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    # FINAL_ONLY as LLM.generate sets it: the default (cumulative) builds every running request's output
+    # at every step, work LLM.generate does not do.
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def run(llm, prompts: list[list[int]], output_lens: list[int]) -> tuple[list[float], list[int]]:
@@ -78,6 +68,14 @@ def run(llm, prompts: list[list[int]], output_lens: list[int]) -> tuple[list[flo
     return done_s, num_tokens  # type: ignore[return-value]
 
 
+def kv_cache_report(llm) -> dict:
+    """What vLLM resolved: its block count (the held-back block included) and the "KV cache size: N tokens"
+    it logs (blocks x block size, the held-back block included)."""
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    return {"num_gpu_blocks": getattr(cache_config, "num_gpu_blocks", None),
+            "kv_cache_size_tokens": getattr(cache_config, "kv_cache_size_tokens", None)}
+
+
 def main(job_path: str, result_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
@@ -88,7 +86,7 @@ def main(job_path: str, result_path: str) -> int:
     done_s, num_tokens = run(llm, job["prompts"], job["output_lens"])
     import vllm
 
-    result = {"vllm_version": vllm.__version__, "done_s": done_s, "num_tokens": num_tokens,
+    result = {"vllm_version": vllm.__version__, "done_s": done_s, "num_tokens": num_tokens, **kv_cache_report(llm),
               "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU") or k == "LD_PRELOAD"}}
     with open(result_path, "w") as f:
         json.dump(result, f)
