@@ -1,8 +1,9 @@
-"""Offline throughput: our engine in static and continuous batching, optionally against transformers.
+"""Offline throughput: our engine in static and continuous batching, optionally against transformers and vLLM.
 
-Every system runs the same requests on the same model in this process, one after another: our
-``LLMEngine`` per ``--batching`` mode, then the ``--baselines`` (transformers' static ``generate`` with
-padding, transformers' continuous batching; see ``benchmarks.hf_baselines``). A named workload has every
+Every system runs the same requests on the same model, one after another: our ``LLMEngine`` per
+``--batching`` mode, then the ``--baselines`` (transformers' static ``generate`` with padding,
+transformers' continuous batching, see ``benchmarks.hf_baselines``, in this process; vLLM's CPU build
+in a worker process under its own virtualenv, see ``benchmarks.vllm_baseline``). A named workload has every
 request arrive at t=0; a ``--trace`` replays its arrival times (ours only; on the step clock, see
 ``benchmarks.engine_run``). All systems get the same KV budget (default 8 x 1,000 tokens). With
 ``--repeats`` every system runs that many times, interleaved, and its median run is reported (the
@@ -17,9 +18,11 @@ Reported per system: useful output tokens/s (each request's own output length ov
 first arrival to the last completion: tokens a static batch computes past a member's end do not count),
 padding and wasted tokens, mean/p50/p90/p99 latency (arrival to completion), time in prefill, decode
 and mixed steps, mean batch occupancy, mean KV utilisation (block- and token-level); then the
-throughput ratios, and a KV diagnosis when token-level utilisation stayed under 60% while requests waited.
+throughput ratios, our mean latency against vLLM's, and a KV diagnosis when token-level utilisation stayed
+under 60% while requests waited.
 
     python -m benchmarks.offline --workload seed --batching static,continuous --baselines hf
+    python -m benchmarks.offline --workload seed --batching continuous,static --baselines vllm --repeats 3
 """
 
 from __future__ import annotations
@@ -38,20 +41,24 @@ from benchmarks.engine_run import EngineRun, run_engine
 from benchmarks.hf_baselines import BASELINES, BaselineRun, quiet_transformers, run_hf_cb, run_hf_static
 from benchmarks.metrics import TokenWaste, summarize, useful_computed_tokens
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
+from benchmarks.vllm_baseline import add_vllm_args, describe_settings, run_vllm, settings_from_args
 from benchmarks.workloads import (
     add_engine_args, add_workload_args, build_checkpoint, describe_workload, make_engine, positive_int,
     workload_from_args,
 )
 
 MODES = ("continuous", "static")
-BASELINE_CHOICES = {"none": (), "hf": BASELINES, "hf-static": ("hf-static",), "hf-cb": ("hf-cb",)}
+BASELINE_CHOICES = {"none": (), "hf": BASELINES, "hf-static": ("hf-static",), "hf-cb": ("hf-cb",), "vllm": ("vllm",)}
 # (numerator, denominator, target): the numerator's tokens/s must be >= target x the denominator's (engine issue).
 TARGETS = (
     ("continuous", "static", 2.0),
     ("continuous", "hf-static", 2.5),
     ("continuous", "hf-cb", 3.0),
     ("static", "hf-static", 0.8),
+    ("continuous", "vllm", 1.1),
 )
+# (ours, theirs): our mean latency must be <= theirs.
+LATENCY_TARGETS = (("continuous", "vllm"),)
 
 
 @dataclass
@@ -105,6 +112,10 @@ def run_system(system: str, model_path: str, requests, arrivals, args) -> System
         result = from_engine_run(system, run)
         result.extra["wall_s"] = time.perf_counter() - started
         return result
+    if system == "vllm":
+        run = run_vllm(model_path, requests, args.vllm, args.kv_budget_tokens, args.max_num_seqs,
+                       args.max_num_batched_tokens)
+        return from_baseline_run(run, requests)
     runner = run_hf_static if system == "hf-static" else run_hf_cb
     return from_baseline_run(runner(model_path, requests, args), requests)
 
@@ -118,9 +129,19 @@ def ratios(results: dict[str, SystemResult]) -> list[dict[str, Any]]:
     return rows
 
 
+def latency_comparisons(results: dict[str, SystemResult]) -> list[dict[str, Any]]:
+    rows = []
+    for ours, theirs in LATENCY_TARGETS:
+        if ours in results and theirs in results:
+            mine, other = (summarize(results[s].latencies_s)["mean"] for s in (ours, theirs))
+            rows.append({"ours": ours, "theirs": theirs, "mean_latency_s": mine, "their_mean_latency_s": other,
+                         "met": mine <= other})
+    return rows
+
+
 # -- report ---------------------------------------------------------------------------------------------
 def print_report(results: dict[str, SystemResult], runs: dict[str, list[SystemResult]],
-                 ratio_rows: list[dict[str, Any]], workload: dict, name: str,
+                 ratio_rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]], workload: dict, name: str,
                  loads: tuple[float | None, float | None], args) -> None:
     load = ["n/a" if v is None else f"{v:.2f}" for v in loads]
     print(f"\nworkload {name}: {workload['num_requests']} requests, {workload['prompt_tokens']} prompt tokens, "
@@ -138,6 +159,8 @@ def print_report(results: dict[str, SystemResult], runs: dict[str, list[SystemRe
     print_table("throughput and latency (latency from arrival to completion, seconds)",
                 ["system", "useful tok/s", "padding tok", "wasted tok", "lat mean", "p50", "p90", "p99",
                  "prefill s", "decode s", "mixed s", "occupancy", "KV blocks", "KV tokens", "span s"], rows)
+    if "vllm" in results:
+        print(describe_settings(results["vllm"].extra))
     if args.repeats > 1:
         print("tokens/s of each repeat: " + "; ".join(
             f"{s} {', '.join(f'{r.tokens_per_s:.0f}' for r in rs)}" for s, rs in runs.items()))
@@ -146,6 +169,9 @@ def print_report(results: dict[str, SystemResult], runs: dict[str, list[SystemRe
                     ["ratio", "value", "target", "result"],
                     [[r["ratio"], r["value"], f">= {r['target']}", "met" if r["met"] else "MISSED"]
                      for r in ratio_rows])
+    for r in latency_rows:
+        print(f"mean latency: {r['ours']} {r['mean_latency_s']:.2f} s, {r['theirs']} {r['their_mean_latency_s']:.2f} s; "
+              f"target {r['ours']} <= {r['theirs']}: {'met' if r['met'] else 'MISSED'}")
     for system, r in results.items():
         diagnosis = r.engine_run.diagnosis() if r.engine_run else None
         if diagnosis:
@@ -194,8 +220,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     add_engine_args(parser)
     parser.add_argument("--batching", default="static,continuous",
                         help=f"our batching modes to run, comma-separated subset of {','.join(MODES)} (or none)")
-    parser.add_argument("--baselines", default="none", choices=list(BASELINE_CHOICES),
-                        help="transformers baselines on the same model: hf = both hf-static and hf-cb")
+    parser.add_argument("--baselines", default="none",
+                        help=f"other systems on the same model, comma-separated subset of "
+                             f"{','.join(BASELINE_CHOICES)}: transformers' (hf = both hf-static and hf-cb) and "
+                             f"vLLM's CPU build (vllm, in its own virtualenv; see the --vllm-* flags)")
+    add_vllm_args(parser)
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="runs of every system, interleaved; each system's median run is reported")
     parser.add_argument("--rate", type=float, metavar="REQ_PER_S",
@@ -207,7 +236,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"--batching: unknown {unknown}; choose from {','.join(MODES)}")
-    args.systems = [m for m in MODES if m in modes] + list(BASELINE_CHOICES[args.baselines])
+    baselines = parse_baselines(parser, args.baselines)
+    args.systems = [m for m in MODES if m in modes] + baselines
     if not args.systems:
         parser.error("--batching none with --baselines none leaves nothing to run")
     requests, arrivals, name = workload_from_args(parser, args)
@@ -218,12 +248,33 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
             parser.error(f"--rate must be > 0 requests/s, got {args.rate}")
         arrivals = arrival_times(len(requests), args.rate, seed=args.seed)
     if name == "prefill-only":  # its own comparison: the prefill lane on and off, both continuous
-        if args.baselines != "none":
-            parser.error("--baselines: transformers has no prefill-only requests to compare with the lane")
+        if baselines:
+            parser.error("--baselines: the prefill-only workload compares our prefill lane on and off; "
+                         "no baseline runs it")
         args.systems = list(prefill_only.SYSTEMS)
-    if arrivals is not None and any(arrivals) and args.baselines != "none":
-        parser.error("--baselines: transformers' runs take every request at t=0 but --trace has later arrivals")
+    if arrivals is not None and any(arrivals) and baselines:
+        parser.error("--baselines: the baselines take every request at t=0 but --trace or --rate has later arrivals")
+    args.vllm = None
+    if "vllm" in args.systems:
+        try:
+            args.vllm = settings_from_args(args)
+        except ValueError as e:
+            parser.error(str(e))
     return args, requests, arrivals, name
+
+
+def parse_baselines(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """``--baselines``: a comma-separated list of BASELINE_CHOICES' names as systems, in order, once each."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BASELINE_CHOICES]
+    if unknown or not names:
+        parser.error(f"--baselines: unknown {unknown or [text]}; choose from {','.join(BASELINE_CHOICES)}")
+    if "none" in names and len(names) > 1:
+        parser.error(f"--baselines: none with others ({text})")
+    systems: list[str] = []
+    for name in names:
+        systems += [s for s in BASELINE_CHOICES[name] if s not in systems]
+    return systems
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the median run of each system by throughput (the lower middle one of an even count)
     results = {s: sorted(r, key=lambda x: x.tokens_per_s)[(len(r) - 1) // 2] for s, r in runs.items()}
     ratio_rows = ratios(results)
+    latency_rows = latency_comparisons(results)
     loads = (load_start, load_average())
     workload = describe_workload(requests)
     lane_summaries = ({s: prefill_only.lane_summary(r.engine_run, r.extra.get("wall_s")) for s, r in results.items()}
@@ -255,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{loads[0]} at start, {loads[1]} at end")
         prefill_only.print_lane_report(lane_summaries)
     else:
-        print_report(results, runs, ratio_rows, workload, name, loads, args)
+        print_report(results, runs, ratio_rows, latency_rows, workload, name, loads, args)
     if args.plot:
         plot(results, name, args.plot)
     write_json(args.json, {
@@ -268,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tokens_per_s_by_repeat": {s: [r.tokens_per_s for r in rs] for s, rs in runs.items()},
         "latencies_s": {s: r.latencies_s for s, r in results.items()},
         "ratios": ratio_rows,
+        "mean_latency_targets": latency_rows,
         "prefill_lane": lane_summaries,
     })
     return 0
