@@ -12,7 +12,7 @@ LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ADMISSION_MODES = ("max_utilization", "guaranteed_no_evict")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")  # kernels.backend.BACKENDS
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")  # kernels.backend.BACKENDS
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class EngineConfig:
     # copied back. auto: per victim, whichever costs less time (tokens to recompute vs bytes to copy).
     preemption_mode: str = "auto"
     swap_space_bytes: int = 0
-    attention_backend: str = "auto"  # auto: flash-attn, then Triton, on CUDA; the torch kernels elsewhere
+    attention_backend: str = "auto"  # auto: flash-attn, then Triton, on CUDA; the compiled CPU kernels on a CPU
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (debugging, or to save their memory)
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default

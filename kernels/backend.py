@@ -38,6 +38,12 @@ class AttentionBackend:
     block_size_multiple = 1  # the engine rounds its block_size up to a multiple of this
     block_dim = 0  # which dimension of ``kv_cache_shape`` indexes blocks (for copying blocks in and out)
 
+    def elementwise_ops(self) -> Any:
+        """A module of fused kernels for the per-token work between the matmuls (``rms_norm`` with the
+        residual add, ``silu_and_mul``, ``apply_rope``; see ``kernels.triton_fused``), or None: the
+        model's PyTorch code, which is also their reference."""
+        return None
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The layout of one layer's K (or V) cache; each backend picks what its kernels read fastest."""
         return (num_blocks, block_size, num_kv_heads, head_dim)
@@ -61,17 +67,21 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-BACKENDS = ("auto", "flash_attn", "triton", "torch")
+BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """``auto``: flash-attn when it is importable on CUDA, then Triton on CUDA, else the torch reference."""
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """``auto``: flash-attn when it is importable on CUDA, then Triton on CUDA; on a CPU in float32 the
+    compiled CPU kernels when they build here; else the torch reference."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name != "auto":
         return name
     if device.type != "cuda":
-        return "torch"
+        from kernels import cpu_kernels
+
+        usable = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load() is not None
+        return "cpu" if usable else "torch"
     from kernels.flash_attn_backend import flash_attn_available
 
     if flash_attn_available():
@@ -83,8 +93,8 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return "triton"
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    name = resolve_backend_name(name, device)
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    name = resolve_backend_name(name, device, dtype)
     if name == "flash_attn":
         from kernels.flash_attn_backend import FlashAttnPagedAttention, flash_attn_available
 
@@ -100,6 +110,18 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from kernels.triton_backend import TritonPagedAttention
 
         return TritonPagedAttention()
+    if name == "cpu":
+        from kernels import cpu_kernels
+
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"attention_backend 'cpu' runs float32 on a CPU, not {dtype} on {device.type}; "
+                             f"use 'torch' (or 'auto')")
+        if cpu_kernels.load() is None:
+            raise ValueError("attention_backend 'cpu' needs a C++ compiler to build its kernels (see the log for "
+                             "why the build failed); use 'torch' (or 'auto')")
+        from kernels.cpu_backend import CpuPagedAttention
+
+        return CpuPagedAttention()
     from kernels.torch_ref import TorchPagedAttention
 
     return TorchPagedAttention()

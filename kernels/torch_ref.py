@@ -58,7 +58,9 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
     block_dim = 1  # head-major layout, see the module docstring
 
-    def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
+    def prepare(self, layout: BatchLayout, split_decode: bool = True) -> TorchAttentionMetadata:
+        """``split_decode`` False leaves out the decode rows' split-KV chunks (a subclass that attends
+        decode rows its own way); ``decode_token_index`` is set either way."""
         device = layout.slot_mapping.device
         bs = layout.block_size
         decode_rows, decode_tokens, prefill_rows = [], [], []
@@ -74,17 +76,25 @@ class TorchPagedAttention(AttentionBackend):
                 prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, blocks))
             token_start += q_len
 
-        decode_index = decode_blocks = decode_hidden = chunk_row = None
-        if decode_rows:
-            seq_lens = torch.tensor([layout.seq_lens[r] for r in decode_rows], device=device)
-            decode_blocks, decode_hidden, chunk_row = _split_context(
-                layout.block_tables[torch.tensor(decode_rows, device=device)], seq_lens, bs)
-            decode_index = torch.tensor(decode_tokens, device=device)
         tile = min(QUERY_TILE, max((r.token_end - r.token_start for r in prefill_rows), default=1))
         causal_tile = torch.full((tile, tile), float("-inf"), device=device).triu(1)
-        return TorchAttentionMetadata(layout.slot_mapping // bs, layout.slot_mapping % bs, decode_index, decode_blocks,
-                                      decode_hidden, chunk_row, all_decode=not prefill_rows,
-                                      prefill_rows=prefill_rows, causal_tile=causal_tile)
+        metadata = TorchAttentionMetadata(layout.slot_mapping // bs, layout.slot_mapping % bs, None, None, None, None,
+                                          all_decode=not prefill_rows, prefill_rows=prefill_rows,
+                                          causal_tile=causal_tile)
+        if decode_rows:
+            metadata.decode_token_index = torch.tensor(decode_tokens, device=device)
+            if split_decode:
+                rows = torch.tensor(decode_rows, device=device)
+                seq_lens = torch.tensor([layout.seq_lens[r] for r in decode_rows], device=device)
+                self._split_decode(metadata, layout.block_tables[rows], seq_lens, bs)
+        return metadata
+
+    @staticmethod
+    def _split_decode(metadata: TorchAttentionMetadata, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      block_size: int) -> None:
+        """Set the decode rows' split-KV chunks (``_split_context``) on ``metadata``."""
+        metadata.decode_blocks, metadata.decode_hidden, metadata.decode_chunk_row = _split_context(
+            block_tables, seq_lens, block_size)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_blocks, block_size, head_dim)
@@ -117,8 +127,7 @@ class TorchPagedAttention(AttentionBackend):
             out[row.token_start:row.token_end] = o.reshape(num_heads, q_len, -1).transpose(0, 1)
         return out
 
-    @staticmethod
-    def _decode(query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         """Split-KV decode (flash-decoding): each row's context is cut into fixed-size chunks, every chunk is
         attended to on its own (one batch of matmuls for all chunks of all rows, no padding to the longest
         row), then each row's chunks are merged with their softmax statistics."""

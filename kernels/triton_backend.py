@@ -80,7 +80,11 @@ class TritonAttentionMetadata:
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True  # a pure-decode step's launches depend only on the batch size
-    fused_elementwise = True  # the model uses kernels.triton_fused for norms, RoPE and SiLU-and-mul
+
+    def elementwise_ops(self):
+        from kernels import triton_fused
+
+        return triton_fused
 
     def __init__(self, num_sms: int | None = None, min_split_len: int = MIN_SPLIT_LEN,
                  decode_config: DecodeConfig | None = None) -> None:

@@ -99,7 +99,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [tokens, heads, head_dim] (last dim contiguous); cos/sin fp32 [tokens, 1, head_dim / 2]."""
     num_tokens, num_heads, head_dim = x.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    cos, sin = cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1)
+    cos, sin = cos.reshape(num_tokens, head_dim // 2), sin.reshape(num_tokens, head_dim // 2)  # -1 fails at 0 tokens
     if num_tokens:
         _rope_kernel[(num_tokens,)](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
                                     cos.stride(0), num_heads, head_dim // 2,

@@ -24,13 +24,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the step's positions
 
 
 def fused_ops(backend: AttentionBackend):
-    """The backend's fused elementwise kernels (kernels.triton_fused) when it brings them, else None:
-    the PyTorch ops below, which are also their reference."""
-    if not getattr(backend, "fused_elementwise", False):
-        return None
-    from kernels import triton_fused
-
-    return triton_fused
+    """The backend's fused elementwise kernels (``kernels.triton_fused``, ``kernels.cpu_kernels``) when it
+    brings them, else None: the PyTorch ops below, which are also their reference."""
+    return backend.elementwise_ops()
 
 
 class RMSNorm(nn.Module):

@@ -32,11 +32,13 @@ def assert_matches_hf(path, prompts, params, got):
 PRESSURE = dict(max_num_seqs=3, max_num_batched_tokens=16, block_size=4, num_kv_blocks=20)
 
 
+# auto: the compiled CPU kernels where a compiler is found; torch: the PyTorch path they fall back to.
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_matches_transformers_under_pressure(checkpoint, arch):
+def test_greedy_matches_transformers_under_pressure(checkpoint, arch, backend):
     path = checkpoint(arch)
     prompts, params = workload()
-    engine = make_engine(path, **PRESSURE)
+    engine = make_engine(path, attention_backend=backend, **PRESSURE)
     got = generate_ids(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0, "the KV pool no longer forces preemption: shrink num_kv_blocks"
     assert engine.scheduler.num_recomputed_tokens > 0

@@ -1,0 +1,189 @@
+"""C++ kernels for the CPU (float32), built on first use with the system's C++ compiler, called through ctypes.
+
+* ``paged_decode_attention``: decode rows against the paged KV cache, read in place (no gathered copy);
+* ``store_kv``: the step's new K/V into the cache;
+* ``rms_norm`` (with the residual add), ``silu_and_mul``, ``apply_rope``: the per-token work between the
+  matmuls in one pass each, with ``kernels.triton_fused``'s signatures (the model takes either module).
+
+No new dependency and no torch headers: each kernel is a plain ``extern "C"`` function over raw
+pointers (``kernels/csrc/*.cpp``), compiled with ``-O3 -march=native -fopenmp`` into a shared library
+cached under ``$INFLIGHT_KERNEL_CACHE`` (default ``~/.cache/inflight/kernels``), keyed by the source,
+the flags and the CPU, so it is built once per machine (about a second). OpenMP resolves to the
+libgomp torch has already loaded, so the kernels share torch's thread pool. ctypes releases the GIL
+for the call.
+
+``load()`` returns None when no compiler is found or the build fails (the reason is logged once);
+callers then keep the PyTorch path. ``INFLIGHT_CPU_KERNELS=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+        return "\n".join(wanted)
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("INFLIGHT_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "inflight" / "kernels"
+
+
+def _build(compiler: str, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside its final name, then renamed: concurrent builders never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        out = Path(tmp) / library.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
+        os.replace(out, library)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no compiler, a failed build, or turned off)."""
+    if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        logger.warning("no C++ compiler found: CPU attention stays on the PyTorch path (slower decode)")
+        return None
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()
+    library = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
+    try:
+        if not library.exists():
+            _build(compiler, library)
+        lib = ctypes.CDLL(str(library))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("building the CPU kernels failed, attention stays on the PyTorch path: %s", detail[-2000:])
+        return None
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "paged_decode_attention_f32": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32],
+        "rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32],
+        "silu_and_mul_f32": [ptr, ptr, i64, i64, i64, i32],
+        "rope_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
+        "store_kv_f32": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    assert lib is not None, "the CPU kernels are not built here (check kernels.cpu_kernels.load() first)"
+    return lib
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        assert t.dtype == torch.float32 and t.device.type == "cpu", "the CPU kernels take float32 CPU tensors"
+
+
+def _check_index(*tensors: torch.Tensor) -> None:
+    # The kernels read these through raw int64 pointers: another dtype would read the wrong memory.
+    for t in tensors:
+        assert t.dtype == torch.int64 and t.device.type == "cpu", "block tables, lengths and slots must be int64"
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per row against its paged context, read in place.
+
+    query [num_rows, num_heads, head_dim] float32; caches [num_kv_heads, num_blocks, block_size, head_dim]
+    float32; block_tables [num_rows, max_blocks] int64; seq_lens [num_rows] int64 (>= 1). Returns like query.
+    """
+    lib = _lib()
+    _check(query, k_cache, v_cache)
+    _check_index(block_tables, seq_lens)
+    query = query.contiguous()
+    block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    num_rows, num_heads, head_dim = query.shape
+    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    out = torch.empty_like(query)
+    lib.paged_decode_attention_f32(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        seq_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+        scale, torch.get_num_threads())
+    return out
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """key/value [num_tokens, num_kv_heads, head_dim] (last dim contiguous) into head-major caches
+    [num_kv_heads, num_blocks, block_size, head_dim] at ``slots`` [num_tokens] int64 (block * block_size + offset)."""
+    _check(key, value, k_cache, v_cache)
+    _check_index(slots)
+    assert key.stride(2) == 1 and value.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    slots = slots.contiguous()
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _, num_blocks, block_size, _ = k_cache.shape
+    _lib().store_kv_f32(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                        num_tokens, num_kv_heads, head_dim, num_blocks, block_size, key.stride(0), key.stride(1),
+                        value.stride(0), value.stride(1), torch.get_num_threads())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of ``x`` [tokens, hidden]; with ``residual``, of ``x + residual``, which is also written back
+    into ``residual`` (it is the next residual stream)."""
+    _check(x, weight)
+    assert x.stride(1) == 1 and weight.is_contiguous()
+    if residual is not None:
+        _check(residual)
+        assert residual.stride(1) == 1
+    num_tokens, hidden = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _lib().rms_norm_f32(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                        out.data_ptr(), num_tokens, hidden, x.stride(0), residual.stride(0) if residual is not None else 0,
+                        out.stride(0), eps, torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate and up the two halves of each row of ``gate_up`` [tokens, 2 * width]."""
+    _check(gate_up)
+    assert gate_up.stride(1) == 1
+    num_tokens, double = gate_up.shape
+    out = torch.empty((num_tokens, double // 2), dtype=gate_up.dtype)
+    _lib().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), num_tokens, double // 2, gate_up.stride(0),
+                            torch.get_num_threads())
+    return out
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] (last dim contiguous); cos/sin float32 [tokens, 1, head_dim / 2]."""
+    _check(x, cos, sin)
+    assert x.stride(2) == 1
+    num_tokens, num_heads, head_dim = x.shape
+    cos, sin = (t.reshape(num_tokens, head_dim // 2).contiguous() for t in (cos, sin))
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
+    _lib().rope_f32(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), num_tokens, num_heads, head_dim,
+                    x.stride(0), x.stride(1), torch.get_num_threads())
+    return out

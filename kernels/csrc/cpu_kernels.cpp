@@ -1,0 +1,189 @@
+// CPU kernels (float32), called through ctypes by kernels/cpu_kernels.py.
+//
+// Decode attention over the paged KV cache, reading each row's context where it lies.
+//
+// The PyTorch path (kernels/torch_ref.py) gathers every decode row's context into one contiguous
+// copy, then multiplies: for a single query token that copy costs more than the attention itself,
+// and it streams the whole live cache through the caches twice. Here each (row, kv head) task walks
+// its block table and reads every K and V vector once, in place.
+//
+// Layout (TorchPagedAttention's, head-major): cache [num_kv_heads, num_blocks, block_size, head_dim].
+// Per task: scores of the group's query heads against every visible key (pass 1), a softmax per head
+// (pass 2), then the weighted sum of V (pass 3). Plain loops the compiler vectorises (-O3 -march=native);
+// tasks split over OpenMP threads (the process's libgomp: torch's, already loaded).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+// Blocks are scattered: the hardware prefetcher cannot guess the next one, so ask for it while the current
+// one is being read (a block of one head is block_size * head_dim contiguous floats).
+static inline void prefetch_block(const float* block, int64_t num_floats) {
+    for (int64_t i = 0; i < num_floats; i += 16) __builtin_prefetch(block + i, 0, 1);
+}
+
+extern "C" {
+
+// query, out: [num_rows, num_heads, head_dim] float32, contiguous.
+// k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim] float32, contiguous.
+// block_tables: [num_rows, table_stride] int64; seq_lens: [num_rows] int64 (keys visible to each row).
+void paged_decode_attention_f32(const float* query, const float* k_cache, const float* v_cache,
+                                const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
+                                float* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
+                                int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t num_tasks = num_rows * num_kv_heads;
+    const int64_t head_stride = num_blocks * block_size * head_dim;  // one kv head's whole cache
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scores;  // [group, seq_len], reused across this thread's tasks
+        std::vector<float> q(group * head_dim);
+        std::vector<float> acc(group * head_dim);
+        std::vector<float> inv_sum(group);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; ++task) {
+            const int64_t row = task / num_kv_heads;
+            const int64_t kv_head = task % num_kv_heads;
+            const int64_t seq_len = seq_lens[row];
+            const int64_t* table = block_tables + row * table_stride;
+            const float* k_head = k_cache + kv_head * head_stride;
+            const float* v_head = v_cache + kv_head * head_stride;
+            if (seq_len <= 0) {  // nothing visible (the engine never sends such a row): a zero output, not UB
+                std::fill_n(out + (row * num_heads + kv_head * group) * head_dim, group * head_dim, 0.f);
+                continue;
+            }
+            scores.resize(group * seq_len);
+            for (int64_t g = 0; g < group; ++g) {
+                const float* src = query + (row * num_heads + kv_head * group + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = src[d] * scale;
+            }
+            // pass 1: scores[g, t] = q_g . k_t
+            for (int64_t first = 0; first < seq_len; first += block_size) {
+                const float* k = k_head + table[first / block_size] * block_size * head_dim;
+                const int64_t n = std::min(block_size, seq_len - first);
+                if (first + block_size < seq_len) prefetch_block(k_head + table[first / block_size + 1] * block_size * head_dim, block_size * head_dim);
+                for (int64_t j = 0; j < n; ++j, k += head_dim) {
+                    for (int64_t g = 0; g < group; ++g) {
+                        const float* qg = q.data() + g * head_dim;
+                        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+                        scores[g * seq_len + first + j] = dot;
+                    }
+                }
+            }
+            // pass 2: softmax per query head
+            for (int64_t g = 0; g < group; ++g) {
+                float* s = scores.data() + g * seq_len;
+                float m = *std::max_element(s, s + seq_len);
+                double sum = 0.0;
+                for (int64_t t = 0; t < seq_len; ++t) {
+                    s[t] = std::exp(s[t] - m);
+                    sum += s[t];
+                }
+                inv_sum[g] = static_cast<float>(1.0 / sum);
+            }
+            // pass 3: out_g = sum_t p[g, t] v_t
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t first = 0; first < seq_len; first += block_size) {
+                const float* v = v_head + table[first / block_size] * block_size * head_dim;
+                const int64_t n = std::min(block_size, seq_len - first);
+                if (first + block_size < seq_len) prefetch_block(v_head + table[first / block_size + 1] * block_size * head_dim, block_size * head_dim);
+                for (int64_t j = 0; j < n; ++j, v += head_dim) {
+                    for (int64_t g = 0; g < group; ++g) {
+                        const float p = scores[g * seq_len + first + j];
+                        float* a = acc.data() + g * head_dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; ++g) {
+                float* dst = out + (row * num_heads + kv_head * group + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[g * head_dim + d] * inv_sum[g];
+            }
+        }
+    }
+}
+
+// The per-token work between the matmuls, one pass each instead of 3-9 PyTorch ops: at decode batch
+// sizes every op costs more in dispatch than in arithmetic. Parallel only when there is enough work.
+static inline bool worth_threads(int64_t elements) { return elements >= (1 << 15); }
+
+// out = rms_norm(x (+ residual)) * weight; with residual, residual <- x + residual first (the next
+// residual stream). x, residual, out: [num_tokens, hidden] with row strides; weight: [hidden].
+void rms_norm_f32(const float* x, float* residual, const float* weight, float* out, int64_t num_tokens,
+                  int64_t hidden, int64_t stride_x, int64_t stride_r, int64_t stride_o, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * hidden))
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const float* xt = x + t * stride_x;
+        float* ot = out + t * stride_o;
+        const float* src = xt;
+        if (residual != nullptr) {
+            float* rt = residual + t * stride_r;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; ++i) rt[i] += xt[i];
+            src = rt;
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; ++i) sum += src[i] * src[i];
+        const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) ot[i] = src[i] * inv_rms * weight[i];
+    }
+}
+
+// out[t] = silu(gate_up[t, :width]) * gate_up[t, width:]
+void silu_and_mul_f32(const float* gate_up, float* out, int64_t num_tokens, int64_t width, int64_t stride_in,
+                      int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * width))
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const float* gate = gate_up + t * stride_in;
+        const float* up = gate + width;
+        float* o = out + t * width;
+        for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+}
+
+// Rotary embedding, rotate-half layout: x [num_tokens, num_heads, head_dim] (token and head strides, last
+// dim contiguous) -> out, contiguous; cos, sin: [num_tokens, head_dim / 2].
+void rope_f32(const float* x, const float* cos, const float* sin, float* out, int64_t num_tokens, int64_t num_heads,
+              int64_t head_dim, int64_t stride_xt, int64_t stride_xh, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * num_heads * head_dim))
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const float* c = cos + t * half;
+        const float* s = sin + t * half;
+        for (int64_t h = 0; h < num_heads; ++h) {
+            const float* a = x + t * stride_xt + h * stride_xh;
+            float* o = out + (t * num_heads + h) * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                o[i] = a[i] * c[i] - a[half + i] * s[i];
+                o[half + i] = a[half + i] * c[i] + a[i] * s[i];
+            }
+        }
+    }
+}
+
+// The step's new K and V into the head-major paged cache: cache[h, slot / block_size, slot % block_size, :]
+// = key[t, h, :]. key, value: [num_tokens, num_kv_heads, head_dim] with token and head strides.
+void store_kv_f32(const float* key, const float* value, float* k_cache, float* v_cache, const int64_t* slots,
+                  int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                  int64_t stride_kt, int64_t stride_kh, int64_t stride_vt, int64_t stride_vh, int num_threads) {
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+#pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * num_kv_heads * head_dim))
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t offset = slots[t] * head_dim;  // slot = block * block_size + offset in block
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            std::copy_n(key + t * stride_kt + h * stride_kh, head_dim, k_cache + h * head_stride + offset);
+            std::copy_n(value + t * stride_vt + h * stride_vh, head_dim, v_cache + h * head_stride + offset);
+        }
+    }
+}
+
+}  // extern "C"
