@@ -16,6 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.models.cpu_packing import pack_linear_weights
 from engine.models.llama import CausalLM
 from engine.models.loader import ModelSource, build_model
 from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
@@ -81,7 +82,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, source.config.torch_dtype, self.device)
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device, self.dtype)
         multiple = self.backend.block_size_multiple
         if config.block_size % multiple:
             # e.g. flash-attn's paged KV wants blocks of 256 tokens; the engine reads the adjusted config back
@@ -89,6 +90,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device,
                                            config.load_format)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            pack_linear_weights(self.model)  # faster decode-sized matmuls (see cpu_packing.py)
         self.model_config = source.config
         self.num_kv_blocks = self._count_kv_blocks(max_model_len)
         shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads,

@@ -1,0 +1,51 @@
+"""The CPU pass that packs linear weights for oneDNN: same results as the plain weight, on the rows it serves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models import cpu_packing
+
+pytestmark = pytest.mark.skipif(not cpu_packing.packing_available(), reason="this torch has no oneDNN linear")
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 32, bias=True))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 13, 64, cpu_packing.MAX_PACKED_ROWS, cpu_packing.MAX_PACKED_ROWS + 1])
+def test_packed_linears_equal_plain_ones(rows):
+    model = make_model()
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        want = model(x)
+        assert cpu_packing.pack_linear_weights(model) == 2
+        got = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_path_is_taken_inside_its_row_range():
+    """A packed copy that no longer matches the weight shows which path ran: packed for 2..MAX rows only."""
+    model = make_model()
+    layer = model[0]
+    with torch.inference_mode():
+        cpu_packing.pack_linear_weights(model)
+        plain_weight = layer.weight.clone()
+        layer.weight.zero_()  # the packed copy keeps the old values
+        for rows, packed in [(1, False), (2, True), (cpu_packing.MAX_PACKED_ROWS, True),
+                             (cpu_packing.MAX_PACKED_ROWS + 1, False)]:
+            x = torch.randn(rows, 64)
+            want = F.linear(x, plain_weight) if packed else torch.zeros(rows, 96)
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_only_float32_cpu_linears_are_packed():
+    model = make_model()
+    model[1].to(torch.bfloat16)
+    with torch.inference_mode():
+        assert cpu_packing.pack_linear_weights(model) == 1
+    assert hasattr(model[0], "packed_weight") and not hasattr(model[1], "packed_weight")
