@@ -17,7 +17,7 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 32, bias=True))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 13, 64, cpu_packing.MAX_PACKED_ROWS, cpu_packing.MAX_PACKED_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 13, 64, 2048])
 def test_packed_linears_equal_plain_ones(rows):
     model = make_model()
     x = torch.randn(rows, 64)
@@ -29,15 +29,14 @@ def test_packed_linears_equal_plain_ones(rows):
 
 
 def test_packed_path_is_taken_inside_its_row_range():
-    """A packed copy that no longer matches the weight shows which path ran: packed for 2..MAX rows only."""
+    """A packed copy that no longer matches the weight shows which path ran: packed from 2 rows up."""
     model = make_model()
     layer = model[0]
     with torch.inference_mode():
         cpu_packing.pack_linear_weights(model)
         plain_weight = layer.weight.clone()
         layer.weight.zero_()  # the packed copy keeps the old values
-        for rows, packed in [(1, False), (2, True), (cpu_packing.MAX_PACKED_ROWS, True),
-                             (cpu_packing.MAX_PACKED_ROWS + 1, False)]:
+        for rows, packed in [(1, False), (2, True), (2048, True)]:
             x = torch.randn(rows, 64)
             want = F.linear(x, plain_weight) if packed else torch.zeros(rows, 96)
             torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
