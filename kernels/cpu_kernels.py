@@ -34,7 +34,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# No -ffast-math: NaN and inf keep their meaning. -fno-trapping-math and -fno-math-errno (as torch is built)
+# let float selects and floor vectorise.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
 
 
 def _cpu_signature() -> str:
@@ -127,6 +129,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    assert num_heads // num_kv_heads <= 64, "at most 64 query heads per kv head"
     out = torch.empty_like(query)
     lib.paged_decode_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],

@@ -15,7 +15,28 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+// exp(x) in a form the compiler vectorises (std::exp is a scalar call): Cephes' expf, 2^n * exp(r) with
+// |r| <= ln(2)/2 and a degree-6 polynomial, within 2 ulp of expf. Inputs below -87 give exp(-87)
+// (~1.6e-38) instead of a smaller number: a weight nobody can tell from zero next to exp(0) = 1.
+static inline __attribute__((always_inline)) float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return y * scale;
+}
 
 // Blocks are scattered: the hardware prefetcher cannot guess the next one, so ask for it while the current
 // one is being read (a block of one head is block_size * head_dim contiguous floats).
@@ -23,11 +44,72 @@ static inline void prefetch_block(const float* block, int64_t num_floats) {
     for (int64_t i = 0; i < num_floats; i += 16) __builtin_prefetch(block + i, 0, 1);
 }
 
+// One (row, kv head) task: the group's query heads against the row's visible keys. HEAD_DIM is a
+// compile-time constant for the common sizes (the dot products and the V accumulation then stay in
+// registers); 0 means the runtime ``head_dim``. ``scores`` holds group * seq_len floats.
+template <int HEAD_DIM>
+static void decode_task(const float* __restrict query, const float* __restrict k_head,
+                        const float* __restrict v_head, const int64_t* __restrict table, int64_t seq_len,
+                        float* __restrict out, int64_t group, int64_t runtime_head_dim, int64_t block_size,
+                        float scale, float* __restrict scores, float* __restrict q, float* __restrict acc) {
+    const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+    const int64_t block_floats = block_size * head_dim;
+    for (int64_t i = 0; i < group * head_dim; ++i) q[i] = query[i] * scale;
+    // pass 1: scores[g, t] = q_g . k_t
+    for (int64_t first = 0; first < seq_len; first += block_size) {
+        const float* __restrict k = k_head + table[first / block_size] * block_floats;
+        const int64_t n = std::min(block_size, seq_len - first);
+        if (first + block_size < seq_len) prefetch_block(k_head + table[first / block_size + 1] * block_floats, block_floats);
+        for (int64_t j = 0; j < n; ++j, k += head_dim) {
+            for (int64_t g = 0; g < group; ++g) {
+                const float* __restrict qg = q + g * head_dim;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+                scores[g * seq_len + first + j] = dot;
+            }
+        }
+    }
+    // pass 2: softmax per query head (normalised at the end)
+    float inv_sum[64];
+    for (int64_t g = 0; g < group; ++g) {
+        float* __restrict s = scores + g * seq_len;
+        float m = s[0];
+        for (int64_t t = 1; t < seq_len; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < seq_len; ++t) {
+            s[t] = exp_approx(s[t] - m);
+            sum += s[t];
+        }
+        inv_sum[g] = 1.f / sum;
+    }
+    // pass 3: out_g = sum_t p[g, t] v_t
+    for (int64_t i = 0; i < group * head_dim; ++i) acc[i] = 0.f;
+    for (int64_t first = 0; first < seq_len; first += block_size) {
+        const float* __restrict v = v_head + table[first / block_size] * block_floats;
+        const int64_t n = std::min(block_size, seq_len - first);
+        if (first + block_size < seq_len) prefetch_block(v_head + table[first / block_size + 1] * block_floats, block_floats);
+        for (int64_t g = 0; g < group; ++g) {
+            const float* __restrict p = scores + g * seq_len + first;
+            float* __restrict a = acc + g * head_dim;
+            const float* __restrict vj = v;
+            for (int64_t j = 0; j < n; ++j, vj += head_dim) {
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += p[j] * vj[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
+}
+
 extern "C" {
 
 // query, out: [num_rows, num_heads, head_dim] float32, contiguous.
 // k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim] float32, contiguous.
 // block_tables: [num_rows, table_stride] int64; seq_lens: [num_rows] int64 (keys visible to each row).
+// Query heads per kv head (num_heads / num_kv_heads) must be at most 64.
 void paged_decode_attention_f32(const float* query, const float* k_cache, const float* v_cache,
                                 const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
                                 float* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
@@ -42,68 +124,29 @@ void paged_decode_attention_f32(const float* query, const float* k_cache, const 
         std::vector<float> scores;  // [group, seq_len], reused across this thread's tasks
         std::vector<float> q(group * head_dim);
         std::vector<float> acc(group * head_dim);
-        std::vector<float> inv_sum(group);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tasks; ++task) {
             const int64_t row = task / num_kv_heads;
             const int64_t kv_head = task % num_kv_heads;
             const int64_t seq_len = seq_lens[row];
-            const int64_t* table = block_tables + row * table_stride;
-            const float* k_head = k_cache + kv_head * head_stride;
-            const float* v_head = v_cache + kv_head * head_stride;
+            const int64_t offset = (row * num_heads + kv_head * group) * head_dim;  // the group's first head
             if (seq_len <= 0) {  // nothing visible (the engine never sends such a row): a zero output, not UB
-                std::fill_n(out + (row * num_heads + kv_head * group) * head_dim, group * head_dim, 0.f);
+                std::fill_n(out + offset, group * head_dim, 0.f);
                 continue;
             }
             scores.resize(group * seq_len);
-            for (int64_t g = 0; g < group; ++g) {
-                const float* src = query + (row * num_heads + kv_head * group + g) * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = src[d] * scale;
-            }
-            // pass 1: scores[g, t] = q_g . k_t
-            for (int64_t first = 0; first < seq_len; first += block_size) {
-                const float* k = k_head + table[first / block_size] * block_size * head_dim;
-                const int64_t n = std::min(block_size, seq_len - first);
-                if (first + block_size < seq_len) prefetch_block(k_head + table[first / block_size + 1] * block_size * head_dim, block_size * head_dim);
-                for (int64_t j = 0; j < n; ++j, k += head_dim) {
-                    for (int64_t g = 0; g < group; ++g) {
-                        const float* qg = q.data() + g * head_dim;
-                        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
-                        scores[g * seq_len + first + j] = dot;
-                    }
-                }
-            }
-            // pass 2: softmax per query head
-            for (int64_t g = 0; g < group; ++g) {
-                float* s = scores.data() + g * seq_len;
-                float m = *std::max_element(s, s + seq_len);
-                double sum = 0.0;
-                for (int64_t t = 0; t < seq_len; ++t) {
-                    s[t] = std::exp(s[t] - m);
-                    sum += s[t];
-                }
-                inv_sum[g] = static_cast<float>(1.0 / sum);
-            }
-            // pass 3: out_g = sum_t p[g, t] v_t
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t first = 0; first < seq_len; first += block_size) {
-                const float* v = v_head + table[first / block_size] * block_size * head_dim;
-                const int64_t n = std::min(block_size, seq_len - first);
-                if (first + block_size < seq_len) prefetch_block(v_head + table[first / block_size + 1] * block_size * head_dim, block_size * head_dim);
-                for (int64_t j = 0; j < n; ++j, v += head_dim) {
-                    for (int64_t g = 0; g < group; ++g) {
-                        const float p = scores[g * seq_len + first + j];
-                        float* a = acc.data() + g * head_dim;
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
-                    }
-                }
-            }
-            for (int64_t g = 0; g < group; ++g) {
-                float* dst = out + (row * num_heads + kv_head * group + g) * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[g * head_dim + d] * inv_sum[g];
+            const float* k_head = k_cache + kv_head * head_stride;
+            const float* v_head = v_cache + kv_head * head_stride;
+            const int64_t* table = block_tables + row * table_stride;
+            auto run = [&](auto task_fn) {
+                task_fn(query + offset, k_head, v_head, table, seq_len, out + offset, group, head_dim, block_size,
+                        scale, scores.data(), q.data(), acc.data());
+            };
+            switch (head_dim) {
+                case 32: run(decode_task<32>); break;
+                case 64: run(decode_task<64>); break;
+                case 128: run(decode_task<128>); break;
+                default: run(decode_task<0>); break;
             }
         }
     }
@@ -145,7 +188,8 @@ void silu_and_mul_f32(const float* gate_up, float* out, int64_t num_tokens, int6
         const float* gate = gate_up + t * stride_in;
         const float* up = gate + width;
         float* o = out + t * width;
-        for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
     }
 }
 
