@@ -12,20 +12,10 @@ nothing here reads a slot past a row's length, so the kernels store K/V as they 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels import cpu_kernels
-from kernels.backend import BatchLayout
 from kernels.torch_ref import TorchAttentionMetadata, TorchPagedAttention
-
-
-@dataclass
-class CpuAttentionMetadata(TorchAttentionMetadata):
-    slot_mapping: torch.Tensor | None = None  # [num_tokens]
-    decode_tables: torch.Tensor | None = None  # [num_decode, max_blocks] block tables of the decode rows
-    decode_seq_lens: torch.Tensor | None = None  # [num_decode]
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -34,19 +24,12 @@ class CpuPagedAttention(TorchPagedAttention):
     def elementwise_ops(self):
         return cpu_kernels
 
-    def prepare(self, layout: BatchLayout) -> CpuAttentionMetadata:
-        # Without the PyTorch decode's split-KV chunks: only the prefill rows' metadata.
-        metadata = CpuAttentionMetadata(**vars(super().prepare(layout, split_decode=False)))
-        metadata.slot_mapping = layout.slot_mapping
-        decode_rows = [row for row, q_len in enumerate(layout.query_lens) if q_len == 1]
-        if decode_rows:
-            metadata.decode_tables = layout.block_tables[torch.tensor(decode_rows)]
-            metadata.decode_seq_lens = torch.tensor([layout.seq_lens[r] for r in decode_rows], dtype=torch.int64)
-        return metadata
+    def _prepare_decode(self, metadata: TorchAttentionMetadata, block_size: int) -> None:
+        pass  # the kernel reads the decode rows' tables and lengths as they are: no split-KV chunks
 
-    def store_kv(self, key, value, k_cache, v_cache, metadata: CpuAttentionMetadata) -> None:
+    def store_kv(self, key, value, k_cache, v_cache, metadata: TorchAttentionMetadata) -> None:
         cpu_kernels.store_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
 
-    def _decode(self, query, k_cache, v_cache, metadata: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         return cpu_kernels.paged_decode_attention(query, k_cache, v_cache, metadata.decode_tables,
                                                   metadata.decode_seq_lens, scale)

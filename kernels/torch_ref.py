@@ -44,15 +44,19 @@ class PrefillRow:
 
 @dataclass
 class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes: block * block_size + offset
     slot_blocks: torch.Tensor  # [num_tokens] block each new token's K/V goes to
     slot_offsets: torch.Tensor  # [num_tokens] its offset inside that block
-    decode_token_index: torch.Tensor | None  # [num_decode] positions of decode rows in the flat token dim
-    decode_blocks: torch.Tensor | None  # [num_chunks * chunk_blocks] block ids to gather, chunk-major
-    decode_hidden: torch.Tensor | None  # [1, num_chunks, 1, chunk_blocks * block_size] True where a key is NOT visible
-    decode_chunk_row: torch.Tensor | None  # [num_chunks] which decode row each context chunk belongs to
     all_decode: bool
     prefill_rows: list[PrefillRow]
-    causal_tile: torch.Tensor | None = None  # [tile, tile] additive mask: -inf above the diagonal
+    causal_tile: torch.Tensor  # [tile, tile] additive mask: -inf above the diagonal
+    decode_token_index: torch.Tensor | None = None  # [num_decode] positions of decode rows in the flat token dim
+    decode_tables: torch.Tensor | None = None  # [num_decode, max_blocks] the decode rows' block tables
+    decode_seq_lens: torch.Tensor | None = None  # [num_decode] int64 keys each decode row sees
+    # The split-KV chunks of TorchPagedAttention's own decode (see _split_context):
+    decode_blocks: torch.Tensor | None = None  # [num_chunks * chunk_blocks] block ids to gather, chunk-major
+    decode_hidden: torch.Tensor | None = None  # [1, num_chunks, 1, chunk_blocks * block_size] True where NOT visible
+    decode_chunk_row: torch.Tensor | None = None  # [num_chunks] which decode row each context chunk belongs to
     decode_slabs: torch.Tensor | None = None  # decode_blocks for every kv head, into the flat cache view
 
 
@@ -60,9 +64,7 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
     block_dim = 1  # head-major layout, see the module docstring
 
-    def prepare(self, layout: BatchLayout, split_decode: bool = True) -> TorchAttentionMetadata:
-        """``split_decode`` False leaves out the decode rows' split-KV chunks (a subclass that attends
-        decode rows its own way); ``decode_token_index`` is set either way."""
+    def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         device = layout.slot_mapping.device
         bs = layout.block_size
         decode_rows, decode_tokens, prefill_rows = [], [], []
@@ -80,23 +82,21 @@ class TorchPagedAttention(AttentionBackend):
 
         tile = min(QUERY_TILE, max((r.token_end - r.token_start for r in prefill_rows), default=1))
         causal_tile = torch.full((tile, tile), float("-inf"), device=device).triu(1)
-        metadata = TorchAttentionMetadata(layout.slot_mapping // bs, layout.slot_mapping % bs, None, None, None, None,
+        metadata = TorchAttentionMetadata(layout.slot_mapping, layout.slot_mapping // bs, layout.slot_mapping % bs,
                                           all_decode=not prefill_rows, prefill_rows=prefill_rows,
                                           causal_tile=causal_tile)
         if decode_rows:
             metadata.decode_token_index = torch.tensor(decode_tokens, device=device)
-            if split_decode:
-                rows = torch.tensor(decode_rows, device=device)
-                seq_lens = torch.tensor([layout.seq_lens[r] for r in decode_rows], device=device)
-                self._split_decode(metadata, layout.block_tables[rows], seq_lens, bs)
+            metadata.decode_tables = layout.block_tables[torch.tensor(decode_rows, device=device)]
+            metadata.decode_seq_lens = torch.tensor([layout.seq_lens[r] for r in decode_rows], dtype=torch.int64,
+                                                    device=device)
+            self._prepare_decode(metadata, bs)
         return metadata
 
-    @staticmethod
-    def _split_decode(metadata: TorchAttentionMetadata, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      block_size: int) -> None:
-        """Set the decode rows' split-KV chunks (``_split_context``) on ``metadata``."""
+    def _prepare_decode(self, metadata: TorchAttentionMetadata, block_size: int) -> None:
+        """Per-step work for the decode rows beyond their tables and lengths: here, the split-KV chunks."""
         metadata.decode_blocks, metadata.decode_hidden, metadata.decode_chunk_row = _split_context(
-            block_tables, seq_lens, block_size)
+            metadata.decode_tables, metadata.decode_seq_lens, block_size)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_blocks, block_size, head_dim)
