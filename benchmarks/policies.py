@@ -170,11 +170,11 @@ def record_predictions(engine) -> tuple[dict[str, dict], dict[str, Any]]:
     made: dict[str, dict] = {}
     steps: dict[str, Any] = {"seconds": {}, "prefill_tokens": {}, "first_scheduled": {}, "first_token": {},
                              "waited_with_free_slot": 0}
-    check, predict, admitting = engine._check_deadline, predictor.predict, []
+    check, predict, admitting = engine.check_deadline, predictor.predict, []
 
-    def checked(requests):
+    def checked(requests, *args, **kwargs):
         admitting[:] = [requests[0].parent_id]
-        check(requests)
+        return check(requests, *args, **kwargs)
 
     def recorded(own, tokens_ahead, num_ahead, remaining, typical=None):
         seconds = predict(own, tokens_ahead, num_ahead, remaining, typical)
@@ -203,7 +203,7 @@ def record_predictions(engine) -> tuple[dict[str, dict], dict[str, Any]]:
         if record.num_waiting and len(record.running_ids) < engine.config.max_num_seqs:
             steps["waited_with_free_slot"] += 1
 
-    engine._check_deadline, predictor.predict, engine.step_listener = checked, recorded, listen
+    engine.check_deadline, predictor.predict, engine.step_listener = checked, recorded, listen
     return made, steps
 
 

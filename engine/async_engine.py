@@ -56,6 +56,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
         self._stats = self.engine.stats()  # the step thread's latest snapshot
+        self._queue_view: QueueView | None = None  # and its latest view of the queue, for admission
         self._ids = itertools.count()
         # Called from the step thread after every step with (seconds, rows in the batch): metrics hang here.
         self.step_observer: Callable[[float, int], None] | None = None
@@ -95,10 +96,28 @@ class AsyncLLMEngine:
         requests = self.engine.make_requests(request_id, prompt, params, priority)  # raises ValueError
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        with self._lock:
-            self._pending_adds.append(requests)
-        self._work.set()
+        try:
+            self._check_deadline_now(requests)
+        except DeadlineUnmeetableError as e:  # refused on the stream, like a refusal from the step thread
+            queue.put_nowait(e)
+        else:
+            with self._lock:
+                self._pending_adds.append(requests)
+            self._work.set()
         return RequestStream(request_id, requests[0].prompt_token_ids, self._stream(request_id, queue))
+
+    def _check_deadline_now(self, requests: list[Request]) -> None:
+        """Refuse an unmeetable deadline here, from the step thread's latest view of the queue, instead of when
+        the step under way ends and the engine admits the request: a long prefill step can outlast a short
+        deadline. The engine checks again, from its live queue, when it admits the request."""
+        first, view = requests[0], self._queue_view
+        if view is None or first.deadline is None or not first.params.reject_unmeetable_deadline \
+                or not self.engine.predicts_for(first):
+            return
+        with self._lock:  # submitted since the view and not yet admitted: they are queued ahead too
+            pending = [(view.newcomer_rank(r.priority, r.arrival_order), r.num_tokens)
+                       for siblings in self._pending_adds for r in siblings]
+        self.engine.check_deadline(requests, view, time.time(), pending)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -153,15 +172,19 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def _apply_pending(self) -> None:
+        refused = []
+        # Under the lock until the new view is published: a submit in between would see neither the requests
+        # in the view nor in the pending list, and under-count the queue ahead of it.
         with self._lock:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
-        refused = []
-        for requests in adds:
-            try:
-                self.engine.enqueue(requests)
-            except (ValueError, DeadlineUnmeetableError) as e:
-                refused.append((requests[0].parent_id, e))
+            for requests in adds:
+                try:
+                    self.engine.enqueue(requests)
+                except (ValueError, DeadlineUnmeetableError) as e:
+                    refused.append((requests[0].parent_id, e))
+            if adds:
+                self._queue_view = self.engine.queue_view()
         for request_id in aborts:
             self.engine.abort_request(request_id)
         if refused:
@@ -173,7 +196,7 @@ class AsyncLLMEngine:
             while not self._stopping:
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
-                    self._stats = self.engine.stats()
+                    self._stats, self._queue_view = self.engine.stats(), self.engine.queue_view()
                     self._work.wait(IDLE_WAIT_S)
                     self._work.clear()
                     continue
@@ -184,6 +207,7 @@ class AsyncLLMEngine:
                 # delivered: whoever awaited the last result must not read stats from before it.
                 if finished - stats_time >= STATS_PERIOD_S or not self.engine.has_unfinished_requests():
                     self._stats, stats_time = self.engine.stats(), finished
+                    self._queue_view = self.engine.queue_view()
                 if self.step_observer is not None:
                     self.step_observer(finished - started, self.engine.last_batch_size)
                 if outputs:

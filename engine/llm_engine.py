@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from engine.config import EngineConfig
 from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
@@ -21,7 +21,7 @@ from engine.sampler import SamplingBatch
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.scheduler import make_scheduler
 from engine.scheduler_output import SchedulerOutput, StepRecord
-from engine.ttft_predictor import TTFTPredictor
+from engine.ttft_predictor import QueueView, Rank, TTFTPredictor
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
@@ -166,18 +166,22 @@ class LLMEngine:
                         pool=pool)
                 for i, rid in enumerate(ids)]
 
+    def predicts_for(self, request: Request) -> bool:
+        """Whether admission predicts this request's first token (not for the prefill lane's requests: they do
+        not wait behind the scheduler's queue, and their own deadline ends them)."""
+        return self.predictor is not None and not (self.lane is not None and request.prefill_only)
+
     def enqueue(self, requests: list[Request]) -> None:
         parent = requests[0].parent_id
         if parent in self._children:
             raise ValueError(f"request_id {parent!r} is already in use")
-        if self.lane is not None and requests[0].prefill_only:
-            # No deadline prediction: the lane does not wait behind the scheduler's queue; its own deadline ends it.
+        if self.predicts_for(requests[0]):
+            predicted = self.check_deadline(requests, self.queue_view())
             for request in requests:
-                self.lane.add(request)
-        else:
-            self._check_deadline(requests)
-            for request in requests:
-                self.scheduler.add(request)
+                request.metrics.predicted_ttft_s = predicted
+        queue = self.lane if self.lane is not None and requests[0].prefill_only else self.scheduler
+        for request in requests:
+            queue.add(request)
         self._children[parent] = requests
 
     def _expected_remaining(self, request: Request) -> int:
@@ -190,13 +194,14 @@ class LLMEngine:
         typical = 2 * self._sum_output_lengths / self._num_output_lengths
         return max(1, min(bound, int(typical) - request.num_output_tokens))
 
-    def _check_deadline(self, requests: list[Request]) -> None:
-        """Predict the first token's time; refuse at once if it is past the deadline (see ttft_predictor)."""
-        if self.predictor is None or not self.predictor.ready:
-            return
-        first, now = requests[0], time.time()
-        num_ahead, tokens_ahead = self.scheduler.work_ahead_of(first, now)
-        running = self.scheduler.running
+    def queue_view(self) -> QueueView | None:
+        """The queue as admission sees it (ttft_predictor.QueueView), or None while the predictor has too few
+        steps to trust. Called from the step thread only: it reads the scheduler's queues."""
+        predictor = self.predictor
+        if predictor is None or not predictor.ready:
+            return None
+        scheduler, now = self.scheduler, time.time()
+        running = scheduler.running
         remaining = [self._expected_remaining(r) for r in running]
         # How long a newly admitted request holds its slot: the mean output length of the finished requests and
         # the running ones (their expected length). Finished ones alone are a handful on a cold start: their mean
@@ -204,17 +209,33 @@ class LLMEngine:
         num_lengths = self._num_output_lengths + len(running)
         typical = ((self._sum_output_lengths + sum(remaining) + sum(len(r.output_token_ids) for r in running))
                    // num_lengths if num_lengths else None)
-        # n siblings are admitted one after another: the last one's first token is the request's
-        predicted = self.predictor.predict(first.num_tokens * len(requests), tokens_ahead, num_ahead + len(requests) - 1,
-                                           remaining, typical)
-        for request in requests:
-            request.metrics.predicted_ttft_s = predicted
-        if first.deadline is not None and first.params.reject_unmeetable_deadline and now + predicted > first.deadline:
+        # Prompt chunks still to come for running requests take the budget before any waiting request's.
+        prefilling = sum(left for r in running if (left := len(r.all_token_ids) - r.num_computed_tokens) > 1)
+        waiting = ((scheduler.rank(r, now), r.num_tokens - r.num_computed_tokens) for r in scheduler.waiting)
+        return QueueView.take(predictor, now, waiting, prefilling, remaining, typical,
+                              priority_policy=self.config.scheduling_policy == "priority")
+
+    def check_deadline(self, requests: list[Request], view: QueueView | None, now: float | None = None,
+                       also_ahead: Iterable[tuple[Rank, int]] = ()) -> float | None:
+        """Predict the first token's time from ``view`` (see ttft_predictor) and refuse the request
+        (``DeadlineUnmeetableError``) if its deadline is sooner. Returns the prediction (None without a view).
+        Reads only ``view`` and ``requests``: the async engine calls it on its event loop while steps run,
+        with ``now`` and the requests submitted since the view (``also_ahead``)."""
+        if view is None:
+            return None
+        first = requests[0]
+        prediction = view.predict(first.num_tokens, view.newcomer_rank(first.priority, first.arrival_order),
+                                  len(requests), now, also_ahead)
+        now = view.taken_at if now is None else now
+        if first.deadline is not None and first.params.reject_unmeetable_deadline \
+                and now + prediction.seconds > first.deadline:
             allowed = first.deadline - now
             raise DeadlineUnmeetableError(
                 f"the deadline ({allowed:.3f} s from now) cannot be met: the predicted time to first token is "
-                f"{predicted:.3f} s with {num_ahead} requests ({tokens_ahead} tokens) queued ahead",
-                predicted_ttft_s=predicted, retry_after_s=predicted - max(0.0, allowed))
+                f"{prediction.seconds:.3f} s with {prediction.num_ahead} requests ({prediction.tokens_ahead} tokens) "
+                f"queued ahead", predicted_ttft_s=prediction.seconds,
+                retry_after_s=prediction.seconds - max(0.0, allowed))
+        return prediction.seconds
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:

@@ -236,17 +236,6 @@ class Scheduler:
     def num_tokens_in_cache(self) -> int:
         return sum(r.num_computed_tokens for r in self.running)
 
-    def work_ahead_of(self, request: Request, now: float) -> tuple[int, int]:
-        """(waiting requests that would be admitted before ``request``, uncomputed prompt tokens ahead of it):
-        theirs, and what running requests still have to prefill (their chunks take the budget first)."""
-        if self.config.scheduling_policy == "fcfs":
-            ahead = [r for r in self.waiting if r is not request]
-        else:
-            mine = self.rank(request, now)
-            ahead = [r for r in self.waiting if r is not request and self.rank(r, now) < mine]
-        prefilling = sum(left for r in self.running if (left := len(r.all_token_ids) - r.num_computed_tokens) > 1)
-        return len(ahead), sum(r.num_tokens - r.num_computed_tokens for r in ahead) + prefilling
-
     def rank(self, request: Request, now: float) -> tuple[bool, int, int]:
         """Who is served first (smallest) and preempted first (largest).
 

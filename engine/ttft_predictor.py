@@ -22,10 +22,19 @@ machine a step now and then takes 10-100x the usual (another process had the cor
 multiplies the decode step by hundreds of steps.
 
 The engine uses it at admission: a request whose deadline is sooner than the prediction is refused
-at once (HTTP 429 with a ``Retry-After``) instead of timing out after occupying the queue.
+at once (HTTP 429 with a ``Retry-After``) instead of timing out after occupying the queue. It predicts
+from a ``QueueView``, the queue as plain data: the engine takes one when a request is enqueued, and the
+async engine's step thread publishes one between steps, so that a request can be refused when it is
+submitted rather than when the step under way ends (a long prefill step can outlast a short deadline).
 """
 
 from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Iterable, NamedTuple
+
+Rank = tuple[bool, int, int]  # the scheduler's rank key (Scheduler.rank): smaller is served first
 
 MIN_OBSERVATIONS = 8  # steps seen before predictions are trusted
 DECODE_DECAY = 0.98  # the decode step is averaged over ~50 decode-only steps
@@ -112,3 +121,53 @@ class TTFTPredictor:
                  + self.prefill_steps(own_prompt_tokens, num_rows))
         return (steps * (self.decode_step_s or 0.0)
                 + (max(0, tokens_ahead) + own_prompt_tokens) * (self.per_prefill_token_s or 0.0))
+
+
+class Prediction(NamedTuple):
+    seconds: float
+    num_ahead: int  # waiting requests admitted before this one
+    tokens_ahead: int  # prompt tokens computed before its own
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueView:
+    """What admission needs to predict a newcomer's first token, as plain data that another thread may read
+    while steps run: each waiting request's rank and prompt tokens left to compute, the prompt tokens the
+    running requests still have to prefill, their expected remaining outputs, a typical output length, and
+    a copy of the predictor's rates, all as of ``taken_at`` (``time.time()``)."""
+
+    taken_at: float
+    waiting: tuple[tuple[Rank, int], ...]
+    prefilling: int
+    remaining: tuple[int, ...]
+    typical_output: int | None
+    priority_policy: bool  # ranks use priorities (else arrival order alone)
+    rates: TTFTPredictor
+
+    @classmethod
+    def take(cls, predictor: TTFTPredictor, taken_at: float, waiting: Iterable[tuple[Rank, int]], prefilling: int,
+             remaining: Iterable[int], typical_output: int | None, priority_policy: bool) -> "QueueView":
+        return cls(taken_at, tuple(waiting), prefilling, tuple(remaining), typical_output, priority_policy,
+                   copy.copy(predictor))
+
+    def newcomer_rank(self, priority: int, arrival_order: int) -> Rank:
+        """The rank of a request that has not waited long enough to age (Scheduler.rank)."""
+        return (True, priority if self.priority_policy else 0, arrival_order)
+
+    def predict(self, own_prompt_tokens: int, rank: Rank, num_siblings: int = 1, now: float | None = None,
+                also_ahead: Iterable[tuple[Rank, int]] = ()) -> Prediction:
+        """The first token of a request of ``rank`` with ``own_prompt_tokens`` to compute, admitted with
+        ``num_siblings - 1`` copies (n > 1: the last copy's first token is the request's), behind the waiting
+        requests that rank before it, here and in ``also_ahead`` (requests submitted since the view was
+        taken). At ``now`` later than the view, the steps run since are taken off."""
+        num_ahead = tokens_ahead = 0
+        for other_rank, tokens in (*self.waiting, *also_ahead):
+            if other_rank < rank:
+                num_ahead += 1
+                tokens_ahead += tokens
+        tokens_ahead += self.prefilling
+        seconds = self.rates.predict(own_prompt_tokens * num_siblings, tokens_ahead, num_ahead + num_siblings - 1,
+                                     list(self.remaining), self.typical_output)
+        if now is not None:
+            seconds = max(0.0, seconds - max(0.0, now - self.taken_at))
+        return Prediction(seconds, num_ahead, tokens_ahead)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -78,6 +80,49 @@ def test_async_engine_refuses_through_the_stream():
     asyncio.run(body())
 
 
+def test_async_engine_refuses_while_a_step_is_under_way():
+    """The refusal does not wait for the step under way (a long prefill step can outlast a short deadline):
+    it is predicted from the step thread's latest view of the queue plus the requests submitted since."""
+    async def body():
+        engine = AsyncLLMEngine("demo-tiny", **{**ENGINE_DEFAULTS, "max_num_seqs": 2, "max_num_batched_tokens": 16})
+        try:
+            for prompt in random_prompts(3, 20, 30, seed=1):
+                async for _ in engine.generate(prompt, greedy(4)):
+                    pass
+            known_rates(engine.engine)
+            async for _ in engine.generate(random_prompts(1, 5, 5, seed=4)[0], greedy(2)):  # a view with them
+                pass
+            real_step, inside, release = engine.engine.step, threading.Event(), threading.Event()
+
+            def held_step():
+                inside.set()
+                release.wait(10.0)
+                return real_step()
+
+            engine.engine.step = held_step
+            first = engine.submit(random_prompts(1, 110, 110, seed=5)[0], greedy(4))
+            assert await asyncio.get_running_loop().run_in_executor(None, inside.wait, 10.0)
+            # Submitted while the step is held: not in the engine's queue yet, so only the pending list has them.
+            streams = [first] + [engine.submit(p, greedy(4)) for p in random_prompts(12, 100, 120, seed=2)]
+            started = time.monotonic()
+            hurried = engine.submit(random_prompts(1, 10, 10, seed=3)[0], greedy(4, timeout_s=0.3))
+            with pytest.raises(DeadlineUnmeetableError) as refused:
+                async for _ in hurried:
+                    pass
+            assert time.monotonic() - started < 0.3 and not release.is_set()
+            assert "13 requests" in str(refused.value)  # the first one waits in the view, 12 were pending
+            release.set()
+            for stream in streams:
+                async for output in stream:
+                    pass
+                assert output.outputs[0].finish_reason == "length"
+        finally:
+            release.set()
+            await engine.shutdown()
+
+    asyncio.run(body())
+
+
 def test_remaining_work_of_requests_without_max_tokens_is_estimated_from_finished_ones():
     """A request with no max_tokens may run to max_model_len, but predicting that would refuse good requests:
     once a few have finished, at most twice their mean output length is assumed."""
@@ -136,8 +181,10 @@ def test_prompt_chunks_of_running_requests_count_as_work_ahead():
     engine.add_request("long", random_prompts(1, 40, 40, seed=9)[0], greedy(4))
     engine.step()  # 16 of its 40 prompt tokens
     newcomer = engine.make_requests("new", random_prompts(1, 10, 10, seed=10)[0], greedy(4))[0]
-    assert engine.scheduler.work_ahead_of(newcomer, newcomer.metrics.arrival_time) == (0, 24)
     known_rates(engine)
+    view = engine.queue_view()
+    rank = view.newcomer_rank(newcomer.priority, newcomer.arrival_order)
+    assert view.predict(newcomer.num_tokens, rank)[1:] == (0, 24)  # nobody waiting; 24 prompt tokens to go
     engine.enqueue([newcomer])
     # No slot wait; the 24 tokens left go first, 15 a step (the budget less a row for the running request): 2 steps,
     # then its own 10 in 1.
