@@ -49,6 +49,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    repetition_penalty: float | None = None  # vLLM's clients send 1.0, its neutral value, on every request
     # ours: a deadline in seconds covering queueing, prefill and decode
     timeout: float | None = Field(default=None, gt=0.0)
 
@@ -65,6 +66,13 @@ class _Sampling(BaseModel):
     def _no_penalties(cls, value):
         if value not in (None, 0, 0.0):
             raise ValueError("is not supported by this server (only 0)")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value):
+        if value not in (None, 1, 1.0):
+            raise ValueError("is not supported by this server (only 1.0)")
         return value
 
     @field_validator("logit_bias")
@@ -234,3 +242,42 @@ def _prompt_list(value: str | list) -> list[str | list[int]]:
     if value and all(isinstance(t, int) for t in value):
         return [list(value)]
     return list(value)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` (benchmark clients probe it to align prompt lengths): a prompt, or chat
+    messages rendered with the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+    def payload(self) -> dict[str, Any]:
+        """What the replica's ``tokenize`` takes."""
+        if self.messages is not None:
+            return {"messages": [{"role": m.role, "content": m.text()} for m in self.messages],
+                    "add_generation_prompt": self.add_generation_prompt, "return_token_strs": self.return_token_strs}
+        return {"prompt": self.prompt, "add_special_tokens": self.add_special_tokens,
+                "return_token_strs": self.return_token_strs}
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)

@@ -219,6 +219,28 @@ class LLMReplica:
     async def check_health(self) -> None:
         self.engine.check_health()  # raises EngineDeadError if the step loop died
 
+    async def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``/tokenize`` (a payload of ``protocol.TokenizeRequest``): the ids the engine would see, as vLLM's
+        server answers (``count``, ``max_model_len``, ``tokens``, ``token_strs``); ``{"error": ...}`` if refused."""
+        tokenizer = self.engine.tokenizer
+        try:
+            if "messages" in request:
+                ids = tokenizer.chat_prompt(request["messages"], request["add_generation_prompt"])["prompt_token_ids"]
+            else:
+                ids = tokenizer.encode(request["prompt"], add_special_tokens=request["add_special_tokens"])
+        except ValueError as e:
+            return {"error": BadRequestError(str(e), param="messages").to_dict()}
+        strs = [tokenizer.id_to_token(i) for i in ids] if request.get("return_token_strs") else None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, token_ids: list[int]) -> dict[str, Any]:
+        """``/detokenize``: the text of ``token_ids``; ``{"error": ...}`` for ids outside the vocabulary."""
+        tokenizer = self.engine.tokenizer
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= tokenizer.vocab_size):
+            return {"error": BadRequestError(f"token ids must be in [0, {tokenizer.vocab_size})",
+                                             param="tokens").to_dict()}
+        return {"prompt": tokenizer.decode(token_ids)}
+
     async def ping(self) -> str:
         return self.replica_id
 

@@ -37,7 +37,8 @@ from serve_app.errors import (APIError, BadRequestError, ModelNotFoundError, Ove
                               ServerError, ServiceUnavailableError)
 from serve_app.metrics import RouterMetrics
 from engine.models.loader import read_model_source
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                               TokenizeRequest)
 
 logger = logging.getLogger("ray.serve")
 
@@ -153,6 +154,32 @@ class Router:
             return _error_response(e)
         finally:
             self.admission.release()
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's tokenizer endpoints (clients such as ``vllm bench serve`` align prompt lengths with them):
+        a replica answers, since its tokenizer and chat template are the engine's."""
+        return await self._ask_replica(request, TokenizeRequest, lambda body: self.control.tokenize.remote(body.payload()))
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._ask_replica(request, DetokenizeRequest, lambda body: self.control.detokenize.remote(body.tokens))
+
+    async def _ask_replica(self, http: Request, schema: type, call) -> Response:
+        try:
+            body = await self._parse(http, schema)
+            if body.model is not None and body.model != self.model_name:
+                raise ModelNotFoundError(f"model {body.model!r} does not exist; this server serves "
+                                         f"{self.model_name!r}", param="model", code="model_not_found")
+            try:
+                result = await asyncio.wait_for(call(body), timeout=30.0)
+            except Exception as e:
+                raise ServiceUnavailableError(f"no replica could answer: {type(e).__name__}") from None
+            if "error" in result:
+                raise APIError.from_dict(result["error"])
+            return JSONResponse(result)
+        except APIError as e:
+            return _error_response(e)
 
     # -- one request ---------------------------------------------------------------------------------
     async def _admit(self, http: Request, schema: type):
