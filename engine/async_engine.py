@@ -1,9 +1,9 @@
-"""The engine for servers: the step loop runs in its own thread, off the event loop.
+"""The engine for servers: the step loop runs off the event loop, on its own thread or in its own process.
 
-The step thread owns the engine: it applies queued requests and aborts between steps, runs steps
-back to back while there is work, and hands each step's outputs to the event loop in one
-``call_soon_threadsafe``. So a busy event loop (a server relaying thousands of messages) never
-delays the next step, and the engine's state is only ever touched by one thread. ``submit``
+The step loop (``engine_core.run_step_loop``) owns the engine: it takes in queued requests and aborts
+between steps, runs steps back to back while there is work, and reports each step's outputs, which reach
+the event loop in one ``call_soon_threadsafe``. So a busy event loop (a server relaying thousands of
+messages) never delays the next step, and the engine's state is only ever touched by one thread. ``submit``
 validates on the caller's side; each request's outputs flow back through its own ``asyncio.Queue``.
 """
 
@@ -15,13 +15,15 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from engine.llm_engine import LLMEngine, PromptInput
+from engine.engine_core import EngineCoreProcess, StepReport, StepThread
+from engine.llm_engine import LLMEngine
+from engine.models.loader import read_model_source
 from engine.outputs import DeadlineUnmeetableError, RequestOutput
 from engine.request import Request
+from engine.request_maker import PromptInput, RequestMaker
 from engine.sampling_params import PoolingParams, SamplingParams
+from engine.ttft_predictor import QueueView, check_deadline, predicts_for
 
-IDLE_WAIT_S = 0.5  # how often an idle step thread looks up (it is woken at once by new work)
-STATS_PERIOD_S = 0.05  # how fresh stats() is while steps run (it walks the queues, so not every step)
 
 
 class RequestStream:
@@ -44,30 +46,40 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, model: str = "demo-tiny", *, engine: LLMEngine | None = None, **engine_args: Any) -> None:
-        self.engine = engine if engine is not None else LLMEngine(model, **engine_args)
+    """``engine_process=False`` (the default): the step loop on a thread of this process. ``True``: in a child
+    process of its own (``engine_core.EngineCoreProcess``), which servers use so that their event loop and
+    the engine's steps never wait for each other's GIL; ``engine`` is then None (the engine lives there)."""
+
+    def __init__(self, model: str = "demo-tiny", *, engine: LLMEngine | None = None, engine_process: bool = False,
+                 **engine_args: Any) -> None:
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
-        self._lock = threading.Lock()  # guards the two pending lists, shared with the step thread
-        self._pending_adds: list[list[Request]] = []
-        self._pending_aborts: list[str] = []
-        self._work = threading.Event()
+        self._lock = threading.Lock()  # guards the view and the adds it does not hold yet (the reporting thread)
+        self._queue_view: QueueView | None = None  # the engine's latest view of its queue, for admission
+        self._unapplied: dict[int, list[Request]] = {}  # add commands sent, by sequence number, not in the view yet
+        self._seq = 0
         self._stopping = False
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
-        self._stats = self.engine.stats()  # the step thread's latest snapshot
-        self._queue_view: QueueView | None = None  # and its latest view of the queue, for admission
         self._ids = itertools.count()
-        # Called from the step thread after every step with (seconds, rows in the batch): metrics hang here.
+        # Called after every step with (seconds, rows in the batch), on the thread that reports: metrics hang here.
         self.step_observer: Callable[[float, int], None] | None = None
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        if engine_process:
+            if engine is not None:
+                raise ValueError("engine_process: an engine object cannot be moved into a process; pass its arguments")
+            self.engine: LLMEngine | None = None
+            self._core = EngineCoreProcess(model, engine_args, self._on_report, self._on_death)
+            info = self._core.info
+            self.tokenizer = read_model_source(model).tokenizer
+            self.config, self.max_model_len, self._stats = info["config"], info["max_model_len"], info["stats"]
+            self._maker = RequestMaker(self.tokenizer, info["vocab_size"], info["eos_token_ids"], self.max_model_len,
+                                       info["max_model_len_note"])
+        else:
+            self.engine = engine if engine is not None else LLMEngine(model, **engine_args)
+            self.tokenizer, self.config, self.max_model_len = (self.engine.tokenizer, self.engine.config,
+                                                               self.engine.max_model_len)
+            self._stats = self.engine.stats()
+            self._maker = self.engine.request_maker
+            self._core = StepThread(self.engine, self._on_report, self._on_death)
 
     async def generate(self, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -89,35 +101,38 @@ class AsyncLLMEngine:
         Iterate the returned stream to the end, or leave it early to abort the request.
         """
         self.check_health()
-        self._ensure_thread()
+        self._loop = asyncio.get_running_loop()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        requests = self.engine.make_requests(request_id, prompt, params, priority)  # raises ValueError
+        requests = self._maker.make_requests(request_id, prompt, params, priority)  # raises ValueError
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         try:
             self._check_deadline_now(requests)
-        except DeadlineUnmeetableError as e:  # refused on the stream, like a refusal from the step thread
+        except DeadlineUnmeetableError as e:  # refused on the stream, like a refusal from the engine
             queue.put_nowait(e)
         else:
             with self._lock:
-                self._pending_adds.append(requests)
-            self._work.set()
+                self._seq += 1
+                self._unapplied[self._seq] = requests
+                self._core.send(("add", self._seq, requests))
         return RequestStream(request_id, requests[0].prompt_token_ids, self._stream(request_id, queue))
 
     def _check_deadline_now(self, requests: list[Request]) -> None:
-        """Refuse an unmeetable deadline here, from the step thread's latest view of the queue, instead of when
-        the step under way ends and the engine admits the request: a long prefill step can outlast a short
-        deadline. The engine checks again, from its live queue, when it admits the request."""
-        first, view = requests[0], self._queue_view
-        if view is None or first.deadline is None or not first.params.reject_unmeetable_deadline \
-                or not self.engine.predicts_for(first):
+        """Refuse an unmeetable deadline here, from the engine's latest view of its queue plus what was sent
+        since, instead of when the step under way ends and the engine takes the request in: a long prefill step
+        can outlast a short deadline. The engine checks again, from its live queue, when it takes it in."""
+        first = requests[0]
+        if first.deadline is None or not first.params.reject_unmeetable_deadline or not predicts_for(self.config, first):
             return
-        with self._lock:  # submitted since the view and not yet admitted: they are queued ahead too
+        with self._lock:
+            view = self._queue_view
+            if view is None:
+                return
             pending = [(view.newcomer_rank(r.priority, r.arrival_order), r.num_tokens)
-                       for siblings in self._pending_adds for r in siblings]
-        self.engine.check_deadline(requests, view, time.time(), pending)
+                       for siblings in self._unapplied.values() for r in siblings]
+        check_deadline(requests, view, time.time(), pending)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -144,78 +159,49 @@ class AsyncLLMEngine:
         self._abort_soon(request_id)
 
     def _abort_soon(self, request_id: str) -> None:
-        with self._lock:
-            self._pending_aborts.append(request_id)
-        self._work.set()
+        if self._dead is None and not self._stopping:
+            self._core.send(("abort", request_id))
 
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine step loop died: {self._dead!r}")
-        if self._thread is not None and not self._thread.is_alive() and not self._stopping:
+        if not self._stopping and not self._core.alive():
             raise EngineDeadError("engine step loop has stopped")
 
     def stats(self) -> dict[str, Any]:
-        """The engine's state after its latest step (or after it last applied new work while idle)."""
+        """The engine's state after its latest step (or after it last took in new work while idle)."""
         return dict(self._stats)
 
     async def shutdown(self) -> None:
+        if self._stopping:
+            return
         self._stopping = True
-        self._work.set()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        if self._dead is None:
+            try:
+                self._core.send(("stop",))
+            except OSError:  # the process has gone already
+                pass
+        await asyncio.get_running_loop().run_in_executor(None, self._core.join, 10.0)
 
-    # -- the step thread ---------------------------------------------------------------------------
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            self._loop = asyncio.get_running_loop()
-            self._thread = threading.Thread(target=self._run, name="inflight-step", daemon=True)
-            self._thread.start()
+    # -- on the thread that reports (the step thread, or the engine process's reader) ----------------------
+    def _on_report(self, report: StepReport) -> None:
+        if report.stats is not None:
+            self._stats = report.stats
+            with self._lock:
+                self._queue_view = report.view
+                for seq in [s for s in self._unapplied if s <= report.applied_seq]:
+                    del self._unapplied[seq]
+        if report.seconds is not None and self.step_observer is not None:
+            self.step_observer(report.seconds, report.batch_size)
+        if report.outputs:
+            self._loop.call_soon_threadsafe(self._deliver, report.outputs)
+        if report.refused:
+            self._loop.call_soon_threadsafe(self._deliver_errors, report.refused)
 
-    def _apply_pending(self) -> None:
-        refused = []
-        # Under the lock until the new view is published: a submit in between would see neither the requests
-        # in the view nor in the pending list, and under-count the queue ahead of it.
-        with self._lock:
-            adds, self._pending_adds = self._pending_adds, []
-            aborts, self._pending_aborts = self._pending_aborts, []
-            for requests in adds:
-                try:
-                    self.engine.enqueue(requests)
-                except (ValueError, DeadlineUnmeetableError) as e:
-                    refused.append((requests[0].parent_id, e))
-            if adds:
-                self._queue_view = self.engine.queue_view()
-        for request_id in aborts:
-            self.engine.abort_request(request_id)
-        if refused:
-            self._loop.call_soon_threadsafe(self._deliver_errors, refused)
-
-    def _run(self) -> None:
-        stats_time = 0.0
-        try:
-            while not self._stopping:
-                self._apply_pending()
-                if not self.engine.has_unfinished_requests():
-                    self._stats, self._queue_view = self.engine.stats(), self.engine.queue_view()
-                    self._work.wait(IDLE_WAIT_S)
-                    self._work.clear()
-                    continue
-                started = time.perf_counter()
-                outputs = self.engine.step()
-                finished = time.perf_counter()
-                # Fresh at least every period, and before the outputs that leave the engine idle are
-                # delivered: whoever awaited the last result must not read stats from before it.
-                if finished - stats_time >= STATS_PERIOD_S or not self.engine.has_unfinished_requests():
-                    self._stats, stats_time = self.engine.stats(), finished
-                    self._queue_view = self.engine.queue_view()
-                if self.step_observer is not None:
-                    self.step_observer(finished - started, self.engine.last_batch_size)
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
-        except BaseException as e:  # the loop is dead: fail every waiter rather than hang it
-            self._dead = e
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all, e)
+    def _on_death(self, error: BaseException) -> None:
+        self._dead = error
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, error)
 
     # -- on the event loop -----------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

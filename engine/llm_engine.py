@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from engine.config import EngineConfig
 from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
 from engine.models.loader import read_model_source
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.outputs import DeadlineUnmeetableError, RequestOutput
+from engine.outputs import RequestOutput
 from engine.prefill_lane import PrefillLane
 from engine.request import Request
 from engine.sampler import SamplingBatch
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.scheduler import make_scheduler
 from engine.scheduler_output import SchedulerOutput, StepRecord
-from engine.ttft_predictor import QueueView, Rank, TTFTPredictor
-
-PromptInput = str | Sequence[int] | dict[str, Any]
+from engine.request_maker import PromptInput, RequestMaker
+from engine.ttft_predictor import QueueView, Rank, TTFTPredictor, check_deadline, predicts_for
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +50,8 @@ class LLMEngine:
         self.config = self.runner.config  # the attention backend may have raised block_size
         self.max_model_len = self._fit_max_model_len_to_pool(self.runner.num_kv_blocks)
         self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks)
+        self.request_maker = RequestMaker(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                          self.max_model_len, self._max_model_len_note)
         # Requests that generate nothing run here, apart from the scheduler and the KV cache (prefill_lane.py).
         self.lane = (PrefillLane(self.config.max_prefill_batch_tokens, self.config.max_prefill_batch_size)
                      if self.config.prefill_lane else None)
@@ -65,7 +65,6 @@ class LLMEngine:
         self._kv_samples: collections.deque[StepSample] = collections.deque(maxlen=DIAGNOSIS_WINDOW)
         self.kv_diagnosis: KVDiagnosis | None = None
         self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
-        self._sequence_ids = itertools.count()
         self.num_steps = 0
         self.last_batch_size = 0  # rows computed by the latest step
         self.num_finished_requests = 0
@@ -136,40 +135,11 @@ class LLMEngine:
     def make_requests(self, request_id: str, prompt: PromptInput,
                       params: SamplingParams | PoolingParams | None = None, priority: int = 0,
                       arrival_time: float | None = None) -> list[Request]:
-        """Validate and tokenize without touching the queue (safe from any thread).
-
-        ``PoolingParams`` make an embedding request: prefill-only work whose output carries ``embedding``."""
-        params = params or SamplingParams()
-        pool = isinstance(params, PoolingParams)
-        if pool:
-            params = params.sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        text, token_ids = self._tokenize(prompt)
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len and not params.prefill_only):
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
-                             f"{self._max_model_len_note}: no room to generate")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds max_model_len ({self.max_model_len}){self._max_model_len_note}")
-        # Sequences get internal ids nobody can choose, so a user id can never alias another's sequence.
-        ids = [f"{next(self._sequence_ids)}" for _ in range(params.n)]
-        return [Request(rid, token_ids, params, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                        prompt=text, priority=priority, parent_id=request_id, index=i, arrival_time=arrival_time,
-                        pool=pool)
-                for i, rid in enumerate(ids)]
+        """Validate and tokenize without touching the queue (safe from any thread): see ``RequestMaker``."""
+        return self.request_maker.make_requests(request_id, prompt, params, priority, arrival_time)
 
     def predicts_for(self, request: Request) -> bool:
-        """Whether admission predicts this request's first token (not for the prefill lane's requests: they do
-        not wait behind the scheduler's queue, and their own deadline ends them)."""
-        return self.predictor is not None and not (self.lane is not None and request.prefill_only)
+        return predicts_for(self.config, request)
 
     def enqueue(self, requests: list[Request]) -> None:
         parent = requests[0].parent_id
@@ -217,25 +187,8 @@ class LLMEngine:
 
     def check_deadline(self, requests: list[Request], view: QueueView | None, now: float | None = None,
                        also_ahead: Iterable[tuple[Rank, int]] = ()) -> float | None:
-        """Predict the first token's time from ``view`` (see ttft_predictor) and refuse the request
-        (``DeadlineUnmeetableError``) if its deadline is sooner. Returns the prediction (None without a view).
-        Reads only ``view`` and ``requests``: the async engine calls it on its event loop while steps run,
-        with ``now`` and the requests submitted since the view (``also_ahead``)."""
-        if view is None:
-            return None
-        first = requests[0]
-        prediction = view.predict(first.num_tokens, view.newcomer_rank(first.priority, first.arrival_order),
-                                  len(requests), now, also_ahead)
-        now = view.taken_at if now is None else now
-        if first.deadline is not None and first.params.reject_unmeetable_deadline \
-                and now + prediction.seconds > first.deadline:
-            allowed = first.deadline - now
-            raise DeadlineUnmeetableError(
-                f"the deadline ({allowed:.3f} s from now) cannot be met: the predicted time to first token is "
-                f"{prediction.seconds:.3f} s with {prediction.num_ahead} requests ({prediction.tokens_ahead} tokens) "
-                f"queued ahead", predicted_ttft_s=prediction.seconds,
-                retry_after_s=prediction.seconds - max(0.0, allowed))
-        return prediction.seconds
+        """``ttft_predictor.check_deadline`` (a method, so that benchmarks can watch what it predicts)."""
+        return check_deadline(requests, view, now, also_ahead)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
@@ -248,25 +201,6 @@ class LLMEngine:
         for child in self._children.get(request_id, ()):
             if self.scheduler.abort(child.request_id) is None and self.lane is not None:
                 self.lane.abort(child.request_id)
-
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
-            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, Sequence):
-            return None, self._check_ids(prompt)
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
-    @staticmethod
-    def _check_ids(ids: Sequence[int]) -> list[int]:
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt token ids must be integers")
-        return list(ids)
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -19,6 +19,9 @@ class DeadlineUnmeetableError(Exception):
         self.predicted_ttft_s = predicted_ttft_s
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self):  # it crosses from the engine's process to the server's
+        return type(self), (str(self), self.predicted_ttft_s, self.retry_after_s)
+
 
 @dataclass(frozen=True)
 class Logprob:

@@ -14,6 +14,13 @@ from engine.sampling_params import SamplingParams
 _arrival_counter = itertools.count()
 
 
+def _generator(params: SamplingParams, index: int) -> torch.Generator | None:
+    """One generator per seeded request: its samples do not depend on who shares the batch."""
+    if params.seed is None:
+        return None
+    return torch.Generator().manual_seed((params.seed + 1_000_003 * index) % 2**64)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -69,10 +76,7 @@ class Request:
         now = time.time() if arrival_time is None else arrival_time
         self.metrics = RequestMetrics(arrival_time=now)
         self.deadline = now + params.timeout_s if params.timeout_s is not None else None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            # One generator per request: its samples do not depend on who shares the batch.
-            self.generator = torch.Generator().manual_seed((params.seed + 1_000_003 * index) % 2**64)
+        self.generator = _generator(params, index)
         max_new = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_total_tokens = min(len(prompt_token_ids) + max_new, max_model_len)
         self.eos_token_ids = eos_token_ids
@@ -95,6 +99,20 @@ class Request:
         self.pooled_sum: torch.Tensor | None = None  # [hidden] float32, on the host
         # Whether the scheduler must look at this request's prompt chunks at all (the common request: never).
         self.has_prompt_work = self.prompt_logprobs is not None or pool or self.prefill_only
+
+    def __getstate__(self) -> dict:
+        """A request crosses to the engine's process before it runs (engine_core): without its generator (torch
+        cannot pickle one) and detokenizer, which a fresh request rebuilds as they were."""
+        state = {name: getattr(self, name) for name in self.__slots__ if hasattr(self, name)}
+        state["generator"] = state["decoder"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        if self.output_token_ids:
+            raise ValueError("only a request that has not run yet can be unpickled (its generator's state is lost)")
+        self.generator = _generator(self.params, self.index)
 
     @property
     def num_tokens(self) -> int:

@@ -32,7 +32,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Iterable, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple
+
+from engine.outputs import DeadlineUnmeetableError
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.request import Request
 
 Rank = tuple[bool, int, int]  # the scheduler's rank key (Scheduler.rank): smaller is served first
 
@@ -171,3 +177,31 @@ class QueueView:
         if now is not None:
             seconds = max(0.0, seconds - max(0.0, now - self.taken_at))
         return Prediction(seconds, num_ahead, tokens_ahead)
+
+
+def predicts_for(config: "EngineConfig", request: "Request") -> bool:
+    """Whether admission predicts this request's first token: with continuous batching (the static scheduler
+    admits whole batches), and not for the prefill lane's requests (they do not wait behind the scheduler's
+    queue, and their own deadline ends them)."""
+    return config.batching == "continuous" and not (config.prefill_lane and request.prefill_only)
+
+
+def check_deadline(requests: list["Request"], view: QueueView | None, now: float | None = None,
+                   also_ahead: Iterable[tuple[Rank, int]] = ()) -> float | None:
+    """Predict the first token of ``requests`` (one request's ``n`` sequences) from ``view`` and refuse them
+    (``DeadlineUnmeetableError``) if their deadline is sooner. Returns the prediction (None without a view).
+    Reads only its arguments, so any thread may call it: ``now`` (default: when the view was taken) and the
+    requests submitted since the view (``also_ahead``) for a view taken earlier."""
+    if view is None:
+        return None
+    first = requests[0]
+    prediction = view.predict(first.num_tokens, view.newcomer_rank(first.priority, first.arrival_order),
+                              len(requests), now, also_ahead)
+    now = view.taken_at if now is None else now
+    if first.deadline is not None and first.params.reject_unmeetable_deadline and now + prediction.seconds > first.deadline:
+        allowed = first.deadline - now
+        raise DeadlineUnmeetableError(
+            f"the deadline ({allowed:.3f} s from now) cannot be met: the predicted time to first token is "
+            f"{prediction.seconds:.3f} s with {prediction.num_ahead} requests ({prediction.tokens_ahead} tokens) "
+            f"queued ahead", predicted_ttft_s=prediction.seconds, retry_after_s=prediction.seconds - max(0.0, allowed))
+    return prediction.seconds

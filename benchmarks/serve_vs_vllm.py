@@ -1,0 +1,203 @@
+"""Our server and vLLM's, side by side, through vLLM's own benchmark client (`vllm bench serve`, unmodified).
+
+Both serve the benchmark checkpoint (``benchmarks.workloads``) with the same sizes: 8,000 tokens of KV, 64
+batch slots, 2,048 tokens per step, ``max_model_len`` 2,048, float32, one compute thread each. Ours is
+``configs/bench-vs-vllm.yaml`` started as ``make run`` starts a config (``scripts/serve.sh``, port 8000);
+vLLM's is ``benchmarks/peers/vllm_serve.py`` (port 8001). One server at a time, alternating, each started
+afresh for its turn; per turn, with ``vllm bench serve`` (random dataset, prompts of 50-800 tokens, outputs
+of 20-200 with ``ignore_eos``, greedy):
+
+  * a warm-up of 8 requests (other prompts than the measured ones), not counted;
+  * ``--num-prompts`` requests sent at once, at most ``--concurrency`` in flight;
+  * ``--one-stream-prompts`` requests one after another (TTFT and TPOT at one stream).
+
+    RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.serve_vs_vllm --rounds 2 --json results.json
+
+The client runs under the peer virtualenv's Python (``--vllm-python``, ``$INFLIGHT_VLLM_PYTHON`` or
+``.venv-vllm`` from ``make peer-venv``) through ``benchmarks/peers/vllm_cli.py``. Targets (issue 13): at 64
+concurrent our output tok/s >= vLLM's and our mean end-to-end latency <= vLLM's; at one stream our TTFT p50
+<= 1.1 x vLLM's and our TPOT p50 <= vLLM's; no failed request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.vllm_baseline import resolve_peer_python
+from benchmarks.workloads import MODEL_NAME, build_checkpoint
+from serve_app.ray_env import apply as apply_serve_env
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / "benchmarks" / "peers"
+PORTS = {"ours": 8000, "vllm": 8001}
+# vLLM's random dataset draws lengths uniformly in [len x (1 - ratio), len x (1 + ratio)]
+INPUT_LEN, OUTPUT_LEN, RANGE_RATIO = 425, 110, '{"input": 0.8824, "output": 0.8182}'  # 50-800, 20-200
+METRICS = ("completed", "failed", "output_throughput", "mean_e2el_ms", "median_e2el_ms", "median_ttft_ms",
+           "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "duration")
+
+
+def start_ours(checkpoint: Path, log) -> subprocess.Popen:
+    config = Path(tempfile.mkstemp(prefix="bench-vs-vllm-", suffix=".yaml")[1])
+    config.write_text((ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint)))
+    env = dict(os.environ)
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    apply_serve_env(env)
+    return subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), str(config)], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_vllm(peer_python: str, threads_bind: str, log) -> subprocess.Popen:
+    return subprocess.Popen([peer_python, str(PEERS / "vllm_serve.py"), "--threads-bind", threads_bind],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server on :{port} exited ({server.returncode}) before it was ready")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"the server on :{port} was not ready in {timeout_s:.0f} s")
+
+
+def stop(server: subprocess.Popen) -> None:
+    """Ctrl-C to the server's process group (serve.sh then stops its Ray), then force."""
+    for sig, wait in ((signal.SIGINT, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    if server.args[0].endswith("serve.sh"):  # a killed serve.sh leaves its Ray behind
+        subprocess.run([str(ROOT / ".venv" / "bin" / "ray"), "stop", "--force"], capture_output=True)
+    time.sleep(3.0)  # ports and cores free again
+
+
+def bench(peer_python: str, port: int, checkpoint: Path, num_prompts: int, concurrency: int, seed: int,
+          out: Path) -> dict[str, Any]:
+    argv = [peer_python, str(PEERS / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
+            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+            "--model", str(checkpoint), "--served-model-name", MODEL_NAME,
+            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+            "--random-range-ratio", RANGE_RATIO, "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
+            "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
+            "--result-filename", out.name]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    return {key: result.get(key) for key in METRICS} | {"errors": [e for e in result.get("errors", []) if e][:3]}
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def one_turn(system: str, args, peer_python: str, checkpoint: Path, workdir: Path, round_index: int) -> dict:
+    log = open(workdir / f"{system}-{round_index}.log", "w")
+    server = (start_ours(checkpoint, log) if system == "ours"
+              else start_vllm(peer_python, args.vllm_threads_bind, log))
+    port = PORTS[system]
+    try:
+        wait_ready(port, server)
+        bench(peer_python, port, checkpoint, 8, 8, seed=1000 + round_index, out=workdir / f"{system}-{round_index}-warm.json")
+        turn: dict[str, Any] = {"system": system, "round": round_index, "load_start": load_average()}
+        turn["concurrent"] = bench(peer_python, port, checkpoint, args.num_prompts, args.concurrency, seed=0,
+                                   out=workdir / f"{system}-{round_index}-concurrent.json")
+        turn["one_stream"] = bench(peer_python, port, checkpoint, args.one_stream_prompts, 1, seed=2,
+                                   out=workdir / f"{system}-{round_index}-one.json")
+        turn["load_end"] = load_average()
+        return turn
+    finally:
+        stop(server)
+        log.close()
+
+
+def ratios(turns: list[dict]) -> dict[str, float]:
+    """Our value over vLLM's, from the means over rounds."""
+    def mean(system: str, part: str, key: str) -> float:
+        values = [t[part][key] for t in turns if t["system"] == system]
+        return sum(values) / len(values)
+
+    return {f"{part}.{key}": mean("ours", part, key) / mean("vllm", part, key)
+            for part, key in (("concurrent", "output_throughput"), ("concurrent", "mean_e2el_ms"),
+                              ("one_stream", "median_ttft_ms"), ("one_stream", "median_tpot_ms"))}
+
+
+def print_table(turns: list[dict]) -> None:
+    print(f"{'system':6} {'round':>5} {'part':10} {'ok':>4} {'failed':>6} {'out tok/s':>9} {'e2e mean':>9} "
+          f"{'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>8} {'load':>11}")
+    for turn in turns:
+        for part in ("concurrent", "one_stream"):
+            r = turn[part]
+            print(f"{turn['system']:6} {turn['round']:>5} {part:10} {r['completed']:>4} {r['failed']:>6} "
+                  f"{r['output_throughput']:>9.1f} {r['mean_e2el_ms']:>9.0f} {r['median_ttft_ms']:>9.1f} "
+                  f"{r['median_tpot_ms']:>9.2f} {r['median_itl_ms']:>8.1f} "
+                  f"{turn['load_start']:>5.2f}->{turn['load_end']:<5.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve_vs_vllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2, help="each round serves ours, then vLLM (or the reverse)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--one-stream-prompts", type=int, default=16)
+    parser.add_argument("--systems", default="ours,vllm", help="which servers, in the first round's order")
+    parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python")
+    parser.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core)")
+    parser.add_argument("--cache-dir", default=None, help="where the benchmark checkpoint is built")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    systems = args.systems.split(",")
+    if not set(systems) <= set(PORTS):
+        parser.error(f"--systems: choose from {sorted(PORTS)}")
+    try:
+        peer_python = resolve_peer_python(args.vllm_python)
+    except ValueError as e:
+        parser.error(str(e))
+    checkpoint = build_checkpoint(args.cache_dir)
+    workdir = Path(tempfile.mkdtemp(prefix="serve-vs-vllm-"))
+    print(f"load average at start {load_average():.2f}; logs and raw results in {workdir}", flush=True)
+    turns = []
+    for round_index in range(args.rounds):
+        order = systems if round_index % 2 == 0 else systems[::-1]
+        for system in order:
+            turns.append(one_turn(system, args, peer_python, checkpoint, workdir, round_index))
+            print(f"round {round_index} {system}: {turns[-1]['concurrent']['output_throughput']:.1f} tok/s "
+                  f"at {args.concurrency} concurrent", flush=True)
+    print_table(turns)
+    summary = {"turns": turns, "workdir": str(workdir)}
+    if set(systems) == set(PORTS):
+        summary["ours_over_vllm"] = ratios(turns)
+        for key, value in summary["ours_over_vllm"].items():
+            print(f"ours / vLLM {key}: {value:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The step loop that ``AsyncLLMEngine`` drives: on a thread of its own, or in a process of its own.
+
+One loop, ``run_step_loop``, whichever it runs on: it takes commands (add requests, abort one, stop) between
+steps, runs steps back to back while there is work, and reports after each step (``StepReport``: the
+outputs, the requests refused at admission, the step's time and rows, and now and then the engine's stats
+and queue view). Only two small functions differ, how commands come in and how reports go out:
+
+* ``StepThread``: a thread of the caller's process, commands in a locked list (the engine shares the
+  process, and its GIL, with the caller);
+* ``EngineCoreProcess``: a child process (``python -m engine.engine_core_child``) connected by a local socket,
+  commands and reports pickled across it. The server's process then spends its interpreter on HTTP,
+  streaming and Ray, and never holds the engine's steps back for the GIL (vLLM's V1 engine core is the same
+  idea). The child exits when the socket closes, so it never outlives its server.
+
+Reports carry ``applied_seq``: the last add command the engine has taken in. Admission in the caller counts
+what it has sent since as queued ahead (see ``AsyncLLMEngine._check_deadline_now``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any, Callable
+
+from engine.outputs import DeadlineUnmeetableError, RequestOutput
+from engine.ttft_predictor import QueueView
+
+IDLE_WAIT_S = 0.5  # how often an idle loop looks up (new work wakes it at once)
+STATS_PERIOD_S = 0.05  # how fresh stats and the queue view are while steps run (they walk the queues)
+START_TIMEOUT_S = 600.0  # loading a large checkpoint takes a while
+AUTHKEY_ENV = "INFLIGHT_ENGINE_CORE_AUTHKEY"
+
+
+@dataclasses.dataclass
+class StepReport:
+    outputs: list[RequestOutput] = dataclasses.field(default_factory=list)
+    refused: list[tuple[str, Exception]] = dataclasses.field(default_factory=list)  # (request id, why)
+    seconds: float | None = None  # the step's wall time (None: no step ran)
+    batch_size: int = 0
+    stats: dict[str, Any] | None = None
+    view: QueueView | None = None
+    applied_seq: int = 0  # every add command up to this one is in stats and view
+
+
+class EngineDied(Exception):
+    """The loop ended with an error; ``reason`` is its repr (it crossed a process boundary as text)."""
+
+
+def run_step_loop(engine, receive: Callable[[bool], list[tuple]], report: Callable[[StepReport], None]) -> None:
+    """Run ``engine`` (an ``LLMEngine``) until a ("stop",) command. ``receive(wait)`` returns the commands
+    sent since its last call, waiting up to ``IDLE_WAIT_S`` for one if ``wait``; ``report`` hands a
+    ``StepReport`` to the caller. Commands: ("add", seq, requests), ("abort", request_id), ("stop",)."""
+    applied_seq, stats_time = 0, 0.0
+    while True:
+        idle = not engine.has_unfinished_requests()
+        refused, added = [], False
+        for command in receive(idle):
+            kind = command[0]
+            if kind == "stop":
+                return
+            if kind == "add":
+                _, applied_seq, requests = command
+                added = True
+                try:
+                    engine.enqueue(requests)
+                except (ValueError, DeadlineUnmeetableError) as e:
+                    refused.append((requests[0].parent_id, e))
+            elif kind == "abort":
+                engine.abort_request(command[1])
+        if not engine.has_unfinished_requests():
+            if added or refused or not idle:  # news: what was added ended at once, or the last request ended
+                report(StepReport(refused=refused, stats=engine.stats(), view=engine.queue_view(),
+                                  applied_seq=applied_seq))
+            continue
+        started = time.perf_counter()
+        outputs = engine.step()
+        finished = time.perf_counter()
+        step = StepReport(outputs, refused, finished - started, engine.last_batch_size, applied_seq=applied_seq)
+        # Fresh at least every period, after new requests are in, and before the outputs that leave the engine
+        # idle are delivered: whoever awaited the last result must not read stats from before it.
+        if added or finished - stats_time >= STATS_PERIOD_S or not engine.has_unfinished_requests():
+            step.stats, step.view, stats_time = engine.stats(), engine.queue_view(), finished
+        report(step)
+
+
+# -- on a thread ------------------------------------------------------------------------------------------
+class StepThread:
+    """The loop on a daemon thread of this process; ``on_report`` is called on that thread."""
+
+    def __init__(self, engine, on_report: Callable[[StepReport], None], on_death: Callable[[BaseException], None]):
+        self.engine = engine
+        self._commands: list[tuple] = []
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self._on_report, self._on_death = on_report, on_death
+        self._thread = threading.Thread(target=self._run, name="inflight-step", daemon=True)
+        self._thread.start()
+
+    def send(self, command: tuple) -> None:
+        with self._lock:
+            self._commands.append(command)
+        self._work.set()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _receive(self, wait: bool) -> list[tuple]:
+        if wait:
+            self._work.wait(IDLE_WAIT_S)
+        self._work.clear()
+        with self._lock:
+            commands, self._commands = self._commands, []
+        return commands
+
+    def _run(self) -> None:
+        try:
+            run_step_loop(self.engine, self._receive, self._on_report)
+        except BaseException as e:  # the loop is dead: fail every waiter rather than hang it
+            self._on_death(e)
+
+
+# -- in a process -----------------------------------------------------------------------------------------
+class EngineCoreProcess:
+    """Starts ``python -m engine.engine_core_child`` with the engine's arguments and waits until it is ready: the
+    model is loaded and the pool sized (``info``: the engine's config, ``max_model_len`` and its note, the
+    tokenizer's vocabulary size and eos ids, the first stats). A bad argument raises ``ValueError`` here, as
+    ``LLMEngine`` would. Reports arrive on a reader thread (``on_report``, then ``on_death`` once it ends)."""
+
+    def __init__(self, model: str, engine_args: dict[str, Any], on_report: Callable[[StepReport], None],
+                 on_death: Callable[[BaseException], None]) -> None:
+        self._socket_dir = tempfile.mkdtemp(prefix="inflight-core-")
+        address = os.path.join(self._socket_dir, "core.sock")
+        authkey = secrets.token_bytes(32)
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        env = {**os.environ, AUTHKEY_ENV: authkey.hex()}
+        self._process = subprocess.Popen([sys.executable, "-m", "engine.engine_core_child", address], env=env,
+                                         stdin=subprocess.DEVNULL)
+        self._stopping = False
+        try:
+            self._conn = _accept(listener, self._process)
+            self._conn.send((model, engine_args))
+            kind, payload = self._conn.recv()  # ("ready", info) or ("failed", (type name, message))
+        except BaseException:
+            self._process.kill()
+            raise
+        finally:
+            listener.close()
+        if kind == "failed":
+            self._process.wait(10)
+            exc_type, message = payload
+            raise (ValueError if exc_type == "ValueError" else RuntimeError)(message)
+        self.info: dict[str, Any] = payload
+        self._send_lock = threading.Lock()
+        self._on_report, self._on_death = on_report, on_death
+        self._reader = threading.Thread(target=self._read, name="inflight-core-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, command: tuple) -> None:
+        with self._send_lock:  # the event loop and a shutdown may send at once
+            self._conn.send(command)
+
+    def alive(self) -> bool:
+        return self._process.poll() is None and self._reader.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self._stopping = True
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(5)
+        self._reader.join(timeout)
+        self._conn.close()
+        try:
+            os.rmdir(self._socket_dir)
+        except OSError:
+            pass
+
+    def _read(self) -> None:
+        conn = self._conn
+        try:
+            while True:
+                message = conn.recv()
+                if isinstance(message, StepReport):
+                    self._on_report(message)
+                elif message[0] == "dead":
+                    raise EngineDied(message[1])
+        except (EOFError, OSError) as e:
+            if not self._stopping:
+                self._on_death(EngineDied(f"the engine process exited ({self._process.poll()}): {e!r}"))
+        except BaseException as e:
+            self._on_death(e)
+
+
+def _accept(listener: Listener, process: subprocess.Popen) -> Connection:
+    """The child's connection, or an error once it has exited without connecting (or after START_TIMEOUT_S)."""
+    accepted: list = []
+    thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while thread.is_alive():
+        thread.join(0.2)
+        if process.poll() is not None and not accepted:
+            raise RuntimeError(f"the engine process exited ({process.returncode}) before it connected")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine process did not connect in {START_TIMEOUT_S:.0f} s")
+    return accepted[0]
+
+
+def child_main(address: str) -> int:
+    """The engine's process (``engine.engine_core_child``): connect, build the engine, run the loop."""
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    model, engine_args = conn.recv()
+    try:
+        from engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(model, **engine_args)
+    except Exception as e:  # a bad argument: the server raises it as the in-process engine would
+        conn.send(("failed", (type(e).__name__, str(e))))
+        return 1
+    conn.send(("ready", {"config": engine.config, "max_model_len": engine.max_model_len,
+                         "max_model_len_note": engine._max_model_len_note, "vocab_size": engine.model_config.vocab_size,
+                         "eos_token_ids": engine.eos_token_ids, "stats": engine.stats()}))
+
+    def receive(wait: bool) -> list[tuple]:
+        commands = []
+        if wait:
+            conn.poll(IDLE_WAIT_S)
+        while conn.poll():
+            commands.append(conn.recv())  # EOFError when the server has gone: the loop ends with it
+        return commands
+
+    try:
+        run_step_loop(engine, receive, conn.send)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 0  # the server went away
+    except BaseException as e:
+        try:
+            conn.send(("dead", repr(e)))
+        finally:
+            raise
+    return 0
+

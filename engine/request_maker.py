@@ -1,0 +1,83 @@
+"""Turning a caller's prompt and parameters into engine ``Request``s: validation and tokenization.
+
+Apart from the engine's state, so that whoever admits requests can do it in its own thread or process: the
+engine's step loop may run in another thread (``AsyncLLMEngine``) or another process (``engine_core``), and
+a bad request must fail where it was submitted, with a ``ValueError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from engine.request import Request
+from engine.sampling_params import PoolingParams, SamplingParams
+from engine.tokenizer import Tokenizer
+
+PromptInput = str | Sequence[int] | dict[str, Any]
+
+
+class RequestMaker:
+    """Builds the ``n`` sequences of a request for an engine whose context is ``max_model_len`` tokens
+    (``max_model_len_note`` says why, when the KV cache capped it)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_model_len: int,
+                 max_model_len_note: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._max_model_len_note = max_model_len_note
+        self._sequence_ids = itertools.count()
+
+    def make_requests(self, request_id: str, prompt: PromptInput,
+                      params: SamplingParams | PoolingParams | None = None, priority: int = 0,
+                      arrival_time: float | None = None) -> list[Request]:
+        """Validate and tokenize without touching the queue (safe from any thread).
+
+        ``PoolingParams`` make an embedding request: prefill-only work whose output carries ``embedding``."""
+        params = params or SamplingParams()
+        pool = isinstance(params, PoolingParams)
+        if pool:
+            params = params.sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len and not params.prefill_only):
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
+                             f"{self._max_model_len_note}: no room to generate")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len ({self.max_model_len}){self._max_model_len_note}")
+        # Sequences get internal ids nobody can choose, so a user id can never alias another's sequence.
+        ids = [f"{next(self._sequence_ids)}" for _ in range(params.n)]
+        return [Request(rid, token_ids, params, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                        prompt=text, priority=priority, parent_id=request_id, index=i, arrival_time=arrival_time,
+                        pool=pool)
+                for i, rid in enumerate(ids)]
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, Sequence):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _check_ids(ids: Sequence[int]) -> list[int]:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt token ids must be integers")
+        return list(ids)
