@@ -2,8 +2,11 @@
 
 Both serve the benchmark checkpoint (``benchmarks.workloads``) with the same sizes: 8,000 tokens of KV, 64
 batch slots, 2,048 tokens per step, ``max_model_len`` 2,048, float32, one compute thread each. Ours is
-``configs/bench-vs-vllm.yaml`` started as ``make run`` starts a config (``scripts/serve.sh``, port 8000);
-vLLM's is ``benchmarks/peers/vllm_serve.py`` (port 8001). One server at a time, alternating, each started
+``configs/bench-vs-vllm.yaml`` started as ``make run`` starts a config (``scripts/serve.sh``, port 8000): its
+engine process on CPU 0, Ray's processes on the others. vLLM's is ``benchmarks/peers/vllm_serve.py`` (port
+8001), twice: with its defaults (``vllm``: its compute thread bound by ``VLLM_CPU_OMP_THREADS_BIND=auto``),
+and placed as ours (``vllm-isolated``: compute thread on CPU 0, the server under ``taskset`` on the others).
+The client always runs on the CPUs other than 0. One server at a time, alternating, each started
 afresh for its turn; per turn, with ``vllm bench serve`` (random dataset, prompts of 50-800 tokens, outputs
 of 20-200 with ``ignore_eos``, greedy):
 
@@ -36,11 +39,18 @@ import httpx
 
 from benchmarks.vllm_baseline import resolve_peer_python
 from benchmarks.workloads import MODEL_NAME, build_checkpoint
+from engine.engine_core import format_cpu_list
 from serve_app.ray_env import apply as apply_serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "benchmarks" / "peers"
-PORTS = {"ours": 8000, "vllm": 8001}
+PORTS = {"ours": 8000, "vllm": 8001, "vllm-isolated": 8001}
+ENGINE_CPU = 0  # ours: configs/bench-vs-vllm.yaml's engine_cpus; vLLM isolated: its compute thread's core
+
+
+def other_cpus() -> str:
+    """Every CPU but the engines' (for the client, Ray, and vLLM's API server when isolated)."""
+    return format_cpu_list(set(os.sched_getaffinity(0)) - {ENGINE_CPU})
 # vLLM's random dataset draws lengths uniformly in [len x (1 - ratio), len x (1 + ratio)]
 INPUT_LEN, OUTPUT_LEN, RANGE_RATIO = 425, 110, '{"input": 0.8824, "output": 0.8182}'  # 50-800, 20-200
 METRICS = ("completed", "failed", "output_throughput", "mean_e2el_ms", "median_e2el_ms", "median_ttft_ms",
@@ -57,9 +67,13 @@ def start_ours(checkpoint: Path, log) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_vllm(peer_python: str, threads_bind: str, log) -> subprocess.Popen:
-    return subprocess.Popen([peer_python, str(PEERS / "vllm_serve.py"), "--threads-bind", threads_bind],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def start_vllm(peer_python: str, threads_bind: str, isolated: bool, log) -> subprocess.Popen:
+    """vLLM's server; ``isolated``: as ours runs, its compute thread on the engine's CPU and everything else
+    (its API server, its engine process's other threads) on the other CPUs."""
+    argv = [peer_python, str(PEERS / "vllm_serve.py"), "--threads-bind", str(ENGINE_CPU) if isolated else threads_bind]
+    if isolated:
+        argv = ["taskset", "-c", other_cpus(), *argv]
+    return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
@@ -95,7 +109,8 @@ def stop(server: subprocess.Popen) -> None:
 
 def bench(peer_python: str, port: int, checkpoint: Path, num_prompts: int, concurrency: int, seed: int,
           out: Path) -> dict[str, Any]:
-    argv = [peer_python, str(PEERS / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
+    # The client never runs on the engines' CPU, whichever server it loads.
+    argv = ["taskset", "-c", other_cpus(), peer_python, str(PEERS / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
             "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
             "--model", str(checkpoint), "--served-model-name", MODEL_NAME,
             "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
@@ -118,7 +133,7 @@ def load_average() -> float:
 def one_turn(system: str, args, peer_python: str, checkpoint: Path, workdir: Path, round_index: int) -> dict:
     log = open(workdir / f"{system}-{round_index}.log", "w")
     server = (start_ours(checkpoint, log) if system == "ours"
-              else start_vllm(peer_python, args.vllm_threads_bind, log))
+              else start_vllm(peer_python, args.vllm_threads_bind, system == "vllm-isolated", log))
     port = PORTS[system]
     try:
         wait_ready(port, server)
@@ -141,7 +156,8 @@ def ratios(turns: list[dict]) -> dict[str, float]:
         values = [t[part][key] for t in turns if t["system"] == system]
         return sum(values) / len(values)
 
-    return {f"{part}.{key}": mean("ours", part, key) / mean("vllm", part, key)
+    peers = sorted({t["system"] for t in turns} - {"ours"})
+    return {f"{peer}: {part}.{key}": mean("ours", part, key) / mean(peer, part, key) for peer in peers
             for part, key in (("concurrent", "output_throughput"), ("concurrent", "mean_e2el_ms"),
                               ("one_stream", "median_ttft_ms"), ("one_stream", "median_tpot_ms"))}
 
@@ -165,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--one-stream-prompts", type=int, default=16)
-    parser.add_argument("--systems", default="ours,vllm", help="which servers, in the first round's order")
+    parser.add_argument("--systems", default="ours,vllm,vllm-isolated",
+                        help="which servers, in the first round's order: ours, vllm (its defaults, --vllm-threads-bind), "
+                             "vllm-isolated (its compute thread alone on CPU 0, as ours, the rest on the other CPUs)")
     parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python")
     parser.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core)")
     parser.add_argument("--cache-dir", default=None, help="where the benchmark checkpoint is built")
@@ -190,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"at {args.concurrency} concurrent", flush=True)
     print_table(turns)
     summary = {"turns": turns, "workdir": str(workdir)}
-    if set(systems) == set(PORTS):
+    if "ours" in systems and len(systems) > 1:
         summary["ours_over_vllm"] = ratios(turns)
         for key, value in summary["ours_over_vllm"].items():
             print(f"ours / vLLM {key}: {value:.3f}")

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from benchmarks.no_work_engine import STEP_S
 from benchmarks.openai_client import stream_completion
 from benchmarks.report import format_table, write_json
+from engine.engine_core import parse_cpu_list
 
 ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
 BASE_URL = "http://127.0.0.1:8000"
@@ -96,8 +97,10 @@ async def http_run(streams: list[list[list[int]]], max_tokens: int,
     return [r.ttft_s for r in results if r.ok], sum(r.num_tokens for r in results) / wall, errors
 
 
-def start_server(threads: int, no_work: bool, max_messages_per_s: float | None) -> None:
-    """The demo config's deployments (access logs off, as configs/demo.yaml has them) on port 8000."""
+def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, engine_cpus: str | None = None) -> None:
+    """The demo config's deployments (access logs off, as configs/demo.yaml has them) on port 8000. With
+    ``engine_cpus``, as ``make run`` serves configs/demo.yaml: the replica's engine process on those CPUs,
+    and this process, so Ray and everything it starts (and the load generator), on the others."""
     import ray
     from ray import serve
 
@@ -106,12 +109,16 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None) 
     from serve_app.config import AppConfig
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if engine_cpus:
+        rest = set(os.sched_getaffinity(0)) - parse_cpu_list(engine_cpus)
+        if rest:
+            os.sched_setaffinity(0, rest)  # before Ray starts: its processes inherit the mask
     ray_env.apply()  # as `make run` starts Ray (ray.init below passes the environment on to Ray's processes)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": 8000}, logging_config={"enable_access_log": False})
     extra = {"max_messages_per_s": max_messages_per_s} if max_messages_per_s else {}
     config = AppConfig(model="demo-tiny", engine_args={**ENGINE_ARGS, "num_threads": threads},
-                       max_pending_requests=512, max_queued_requests_per_replica=256, **extra)
+                       max_pending_requests=512, max_queued_requests_per_replica=256, engine_cpus=engine_cpus, **extra)
     engine_cls = None
     if no_work:
         from benchmarks.bare_serve import bare_serve_app
@@ -133,6 +140,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="engine torch threads (the demo config uses 1)")
     parser.add_argument("--max-messages-per-s", type=float, default=None, help="the replica's message budget "
                         "(default: the app's)")
+    parser.add_argument("--engine-cpus", default="", help="CPUs for the replica's engine process, Ray on the others "
+                        "(as `make run` serves a config with engine_cpus); default: everything shares every CPU, as "
+                        "configs/demo.yaml")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
 
@@ -162,7 +172,7 @@ def main() -> None:
             (e1, _), (e64, e64_tps) = asyncio.run(direct())
             offline = offline_tokens_per_s(many, args.max_tokens, args.threads)
             bar.update()
-        start_server(args.threads, not real, args.max_messages_per_s)
+        start_server(args.threads, not real, args.max_messages_per_s, (args.engine_cpus or None) if real else None)
         asyncio.run(http_run([single[0][:2]], 4))  # warm-up
         if real:
             h1, _, err1 = asyncio.run(http_run(single, args.max_tokens))

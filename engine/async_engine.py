@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from engine.engine_core import EngineCoreProcess, StepReport, StepThread
+from engine.engine_core import EngineCoreProcess, StepReport, StepThread, parse_cpu_list
 from engine.llm_engine import LLMEngine
 from engine.models.loader import read_model_source
 from engine.outputs import DeadlineUnmeetableError, RequestOutput
@@ -48,10 +48,12 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     """``engine_process=False`` (the default): the step loop on a thread of this process. ``True``: in a child
     process of its own (``engine_core.EngineCoreProcess``), which servers use so that their event loop and
-    the engine's steps never wait for each other's GIL; ``engine`` is then None (the engine lives there)."""
+    the engine's steps never wait for each other's GIL; ``engine`` is then None (the engine lives there).
+    ``engine_cpus`` ("0", "0-3", "0,2"): the CPUs that process runs on, for an engine with cores of its own
+    (``serve_app.cpu_plan`` keeps the serving processes off them)."""
 
     def __init__(self, model: str = "demo-tiny", *, engine: LLMEngine | None = None, engine_process: bool = False,
-                 **engine_args: Any) -> None:
+                 engine_cpus: str | None = None, **engine_args: Any) -> None:
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._lock = threading.Lock()  # guards the view and the adds it does not hold yet (the reporting thread)
         self._queue_view: QueueView | None = None  # the engine's latest view of its queue, for admission
@@ -63,11 +65,14 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         # Called after every step with (seconds, rows in the batch), on the thread that reports: metrics hang here.
         self.step_observer: Callable[[float, int], None] | None = None
+        if engine_cpus and not engine_process:
+            raise ValueError("engine_cpus needs engine_process=True (the CPUs are the engine process's)")
         if engine_process:
             if engine is not None:
                 raise ValueError("engine_process: an engine object cannot be moved into a process; pass its arguments")
             self.engine: LLMEngine | None = None
-            self._core = EngineCoreProcess(model, engine_args, self._on_report, self._on_death)
+            self._core = EngineCoreProcess(model, engine_args, self._on_report, self._on_death,
+                                           parse_cpu_list(engine_cpus) if engine_cpus else None)
             info = self._core.info
             self.tokenizer = read_model_source(model).tokenizer
             self.config, self.max_model_len, self._stats = info["config"], info["max_model_len"], info["stats"]

@@ -49,6 +49,32 @@ class StepReport:
     applied_seq: int = 0  # every add command up to this one is in stats and view
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """A CPU list as ``taskset -c`` takes it ("0", "0-3", "0,2,4-5"); ``ValueError`` naming engine_cpus."""
+    cpus: set[int] = set()
+    try:
+        for part in str(text).split(","):
+            first, _, last = part.strip().partition("-")
+            low, high = int(first), int(last or first)
+            if low < 0 or high < low:
+                raise ValueError
+            cpus.update(range(low, high + 1))
+    except ValueError:
+        raise ValueError(f"engine_cpus must be a CPU list such as '0', '0-3' or '0,2', got {text!r}") from None
+    return cpus
+
+
+def format_cpu_list(cpus: set[int]) -> str:
+    """``parse_cpu_list``'s inverse, in ranges ("0-3,6")."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
+
+
 class EngineDied(Exception):
     """The loop ended with an error; ``reason`` is its repr (it crossed a process boundary as text)."""
 
@@ -131,13 +157,14 @@ class StepThread:
 
 # -- in a process -----------------------------------------------------------------------------------------
 class EngineCoreProcess:
-    """Starts ``python -m engine.engine_core_child`` with the engine's arguments and waits until it is ready: the
-    model is loaded and the pool sized (``info``: the engine's config, ``max_model_len`` and its note, the
+    """Starts ``python -m engine.engine_core_child`` with the engine's arguments (and the CPUs it may run on,
+    ``cpus``, when it should have cores of its own) and waits until it is ready: the model is loaded and the
+    pool sized (``info``: the engine's config, ``max_model_len`` and its note, the
     tokenizer's vocabulary size and eos ids, the first stats). A bad argument raises ``ValueError`` here, as
     ``LLMEngine`` would. Reports arrive on a reader thread (``on_report``, then ``on_death`` once it ends)."""
 
     def __init__(self, model: str, engine_args: dict[str, Any], on_report: Callable[[StepReport], None],
-                 on_death: Callable[[BaseException], None]) -> None:
+                 on_death: Callable[[BaseException], None], cpus: set[int] | None = None) -> None:
         self._socket_dir = tempfile.mkdtemp(prefix="inflight-core-")
         address = os.path.join(self._socket_dir, "core.sock")
         authkey = secrets.token_bytes(32)
@@ -148,7 +175,7 @@ class EngineCoreProcess:
         self._stopping = False
         try:
             self._conn = _accept(listener, self._process)
-            self._conn.send((model, engine_args))
+            self._conn.send((model, engine_args, cpus))
             kind, payload = self._conn.recv()  # ("ready", info) or ("failed", (type name, message))
         except BaseException:
             self._process.kill()
@@ -220,12 +247,16 @@ def _accept(listener: Listener, process: subprocess.Popen) -> Connection:
 def child_main(address: str) -> int:
     """The engine's process (``engine.engine_core_child``): connect, build the engine, run the loop."""
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
-    model, engine_args = conn.recv()
+    model, engine_args, cpus = conn.recv()
     try:
+        if cpus:  # before the engine starts its compute threads, which inherit the mask
+            os.sched_setaffinity(0, cpus)
         from engine.llm_engine import LLMEngine
 
         engine = LLMEngine(model, **engine_args)
     except Exception as e:  # a bad argument: the server raises it as the in-process engine would
+        if isinstance(e, OSError) and cpus:
+            e = ValueError(f"engine_cpus: cannot run on CPUs {sorted(cpus)}: {e.strerror}")
         conn.send(("failed", (type(e).__name__, str(e))))
         return 1
     conn.send(("ready", {"config": engine.config, "max_model_len": engine.max_model_len,

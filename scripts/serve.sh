@@ -22,7 +22,17 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 
-"$bin/ray" start --head --disable-usage-stats --include-dashboard=true --dashboard-host 127.0.0.1 \
+# Engines with CPUs of their own (`engine_cpus` in the config): Ray and everything it starts run on the other
+# CPUs, so the proxy, router and Ray's processes never take turns with an engine on its core (serve_app/cpu_plan.py).
+pin=()
+serving_cpus="$("$bin/python" -m serve_app.cpu_plan "$config")" || exit 1
+if [ -n "$serving_cpus" ] && command -v taskset >/dev/null; then
+  echo "engines have CPUs of their own: Ray's processes run on CPUs $serving_cpus"
+  pin=(taskset -c "$serving_cpus")
+elif [ -n "$serving_cpus" ]; then
+  echo "warning: no taskset here (util-linux): Ray's processes share the engines' CPUs" >&2
+fi
+"${pin[@]}" "$bin/ray" start --head --disable-usage-stats --include-dashboard=true --dashboard-host 127.0.0.1 \
   --dashboard-port 8265 --metrics-export-port 8080 || exit 1
 echo "dashboard: http://127.0.0.1:8265   metrics: http://127.0.0.1:8080/metrics   API: http://127.0.0.1:8000/v1"
-"$bin/serve" run --address auto "$config"
+"${pin[@]}" "$bin/serve" run --address auto "$config"

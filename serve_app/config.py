@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
+from engine.engine_core import parse_cpu_list
 from serve_app.autoscaling import POLICY_PATH, LLMLoadPolicy
 
 
@@ -51,6 +52,10 @@ class AppConfig(BaseModel):
     # replica's event loop (Ray's messages, streaming) and the engine's steps never wait for one GIL; false:
     # on a thread of the replica's process.
     engine_process: bool = True
+    # CPUs for each replica's engine process ("0", "0-3"), so that it has cores of its own: the engine is the
+    # one process here that is compute-bound, and a core it shares with the proxy, router and Ray's processes
+    # slows every step. `scripts/serve.sh` (make run) starts Ray on the other CPUs (serve_app.cpu_plan).
+    engine_cpus: str | None = None
 
     @field_validator("engine_args")
     @classmethod
@@ -59,6 +64,19 @@ class AppConfig(BaseModel):
         if "model" in value:
             raise ValueError("set the model with the top-level `model`, not inside engine_args")
         return value
+
+    @field_validator("engine_cpus")
+    @classmethod
+    def _engine_cpus_valid(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cpu_list(value)  # ValueError naming engine_cpus
+        return value
+
+    @model_validator(mode="after")
+    def _engine_cpus_need_a_process(self):
+        if self.engine_cpus is not None and not self.engine_process:
+            raise ValueError("engine_cpus needs engine_process: true (the CPUs are the engine process's)")
+        return self
 
     @field_validator("autoscaling_config")
     @classmethod

@@ -41,11 +41,11 @@ class LLMReplica:
     def __init__(self, model: str = "demo-tiny", engine_args: dict[str, Any] | None = None,
                  served_model_name: str | None = None, max_queued_requests: int = 256,
                  max_messages_per_s: float = 200.0, engine_cls: type = AsyncLLMEngine,
-                 engine_process: bool = False) -> None:
+                 engine_process: bool = False, engine_cpus: str | None = None) -> None:
         self.model_name = served_model_name or model
         engine_args = dict(engine_args or {})
         if engine_process and engine_cls is AsyncLLMEngine:  # a stand-in engine runs where it is
-            engine_args["engine_process"] = True
+            engine_args.update(engine_process=True, engine_cpus=engine_cpus)
         self.engine = engine_cls(model, **engine_args)
         self.max_queued_requests = max_queued_requests
         self.max_messages_per_s = max_messages_per_s

@@ -6,6 +6,7 @@ No pytest-asyncio: each test runs its own event loop with asyncio.run and a time
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -151,3 +152,20 @@ def test_shutdown_ends_the_engine_process():
         return aengine._core._process.poll()
 
     assert asyncio.run(asyncio.wait_for(body(), TIMEOUT_S)) == 0
+
+
+def test_the_engine_process_runs_on_its_cpus_and_a_missing_cpu_is_a_value_error():
+    async def body():
+        aengine = AsyncLLMEngine("demo-tiny", engine_process=True, engine_cpus="0", **ENGINE_DEFAULTS)
+        try:
+            output = await final(aengine, [10, 11], greedy(2))
+            return output, os.sched_getaffinity(aengine._core._process.pid)
+        finally:
+            await aengine.shutdown()
+
+    output, cpus = asyncio.run(asyncio.wait_for(body(), TIMEOUT_S))
+    assert output.finished and cpus == {0}
+    with pytest.raises(ValueError, match="engine_cpus"):
+        AsyncLLMEngine("demo-tiny", engine_process=True, engine_cpus="4000", **ENGINE_DEFAULTS)
+    with pytest.raises(ValueError, match="engine_process"):
+        AsyncLLMEngine("demo-tiny", engine_cpus="0", **ENGINE_DEFAULTS)
