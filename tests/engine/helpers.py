@@ -102,3 +102,19 @@ def fake_step(scheduler: Scheduler, token_id: int | dict[str, int] = 100):
             tokens.append(token_id)
     advanced = scheduler.update(tokens) if not out.is_empty else []
     return out, advanced
+
+
+async def assert_engine_dead(aengine, stream) -> None:
+    """After the step loop died (thread or process): the open stream, the health check and a new request
+    all raise ``EngineDeadError``."""
+    import pytest
+
+    from engine import EngineDeadError
+
+    with pytest.raises(EngineDeadError):
+        async for _ in stream:
+            pass
+    with pytest.raises(EngineDeadError):
+        aengine.check_health()
+    with pytest.raises(EngineDeadError):
+        aengine.submit([10, 11], greedy(2))  # new requests fail fast too

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engine import AsyncLLMEngine, EngineDeadError
-from tests.engine.helpers import generate_ids, greedy, make_engine, random_prompts
+from tests.engine.helpers import assert_engine_dead, generate_ids, greedy, make_engine, random_prompts
 
 TIMEOUT_S = 30
 
@@ -158,13 +158,7 @@ def test_dead_step_loop_fails_health_check_and_in_flight_requests(monkeypatch):
             raise RuntimeError("injected fault")
 
         monkeypatch.setattr(aengine.engine, "step", broken_step)
-        with pytest.raises(EngineDeadError):
-            async for _ in stream:
-                pass
-        with pytest.raises(EngineDeadError):
-            aengine.check_health()
-        with pytest.raises(EngineDeadError):
-            await collect(aengine, [10, 11], greedy(2))  # new requests fail fast too
+        await assert_engine_dead(aengine, stream)
         return True
 
     assert run(body)
