@@ -181,7 +181,8 @@ class EngineCoreProcess:
             self._process.kill()
             raise
         finally:
-            listener.close()
+            listener.close()  # removes the socket file; the connection lives on without it
+            _remove_dir(self._socket_dir)
         if kind == "failed":
             self._process.wait(10)
             exc_type, message = payload
@@ -208,10 +209,6 @@ class EngineCoreProcess:
             self._process.wait(5)
         self._reader.join(timeout)
         self._conn.close()
-        try:
-            os.rmdir(self._socket_dir)
-        except OSError:
-            pass
 
     def _read(self) -> None:
         conn = self._conn
@@ -227,6 +224,13 @@ class EngineCoreProcess:
                 self._on_death(EngineDied(f"the engine process exited ({self._process.poll()}): {e!r}"))
         except BaseException as e:
             self._on_death(e)
+
+
+def _remove_dir(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def _accept(listener: Listener, process: subprocess.Popen) -> Connection:

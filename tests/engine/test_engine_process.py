@@ -141,6 +141,7 @@ def test_a_killed_engine_process_fails_its_requests_and_the_health_check():
 def test_shutdown_ends_the_engine_process():
     async def body():
         aengine = AsyncLLMEngine("demo-tiny", engine_process=True, **ENGINE_DEFAULTS)
+        assert not os.path.exists(aengine._core._socket_dir)  # the socket's directory goes once connected
         await final(aengine, [10, 11], greedy(2))
         await aengine.shutdown()
         return aengine._core._process.poll()
