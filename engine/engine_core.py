@@ -176,7 +176,11 @@ class EngineCoreProcess:
         try:
             self._conn = _accept(listener, self._process)
             self._conn.send((model, engine_args, cpus))
-            kind, payload = self._conn.recv()  # ("ready", info) or ("failed", (type name, message))
+            try:
+                kind, payload = self._conn.recv()  # ("ready", info) or ("failed", (type name, message))
+            except EOFError:  # it died while loading (killed for memory, a crash in native code)
+                raise RuntimeError(f"the engine process exited ({self._process.wait(10)}) while it was loading "
+                                   f"the model; its log is the replica's") from None
         except BaseException:
             self._process.kill()
             raise
