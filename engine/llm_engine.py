@@ -138,14 +138,11 @@ class LLMEngine:
         """Validate and tokenize without touching the queue (safe from any thread): see ``RequestMaker``."""
         return self.request_maker.make_requests(request_id, prompt, params, priority, arrival_time)
 
-    def predicts_for(self, request: Request) -> bool:
-        return predicts_for(self.config, request)
-
     def enqueue(self, requests: list[Request]) -> None:
         parent = requests[0].parent_id
         if parent in self._children:
             raise ValueError(f"request_id {parent!r} is already in use")
-        if self.predicts_for(requests[0]):
+        if predicts_for(self.config, requests[0]):
             predicted = self.check_deadline(requests, self.queue_view())
             for request in requests:
                 request.metrics.predicted_ttft_s = predicted

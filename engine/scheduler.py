@@ -18,6 +18,14 @@ from engine.request import Request, RequestStatus
 from engine.scheduler_output import PromptRow, SchedulerOutput
 
 
+Rank = tuple[bool, int, int]  # Scheduler.rank's key: smaller is served first
+
+
+def fresh_rank(priority: int, arrival_order: int, priority_policy: bool) -> Rank:
+    """The rank of a request that has not aged (Scheduler.rank): by priority under the priority policy, then
+    by arrival. Admission ranks newcomers with it too, away from the scheduler (ttft_predictor.QueueView)."""
+    return (True, priority if priority_policy else 0, arrival_order)
+
 class Scheduler:
     """Owns the waiting queue, the running set and the KV cache manager.
 
@@ -236,7 +244,7 @@ class Scheduler:
     def num_tokens_in_cache(self) -> int:
         return sum(r.num_computed_tokens for r in self.running)
 
-    def rank(self, request: Request, now: float) -> tuple[bool, int, int]:
+    def rank(self, request: Request, now: float) -> Rank:
         """Who is served first (smallest) and preempted first (largest).
 
         First, aged requests, oldest first whatever their priority: a request is aged once it has waited
@@ -249,8 +257,8 @@ class Scheduler:
             max_wait = self.config.max_queue_wait_s
             if (max_wait is None or request.metrics.first_scheduled_time is not None
                     or now - request.metrics.arrival_time < max_wait):
-                return (True, request.priority if self.config.scheduling_policy == "priority" else 0,
-                        request.arrival_order)
+                return fresh_rank(request.priority, request.arrival_order,
+                                  self.config.scheduling_policy == "priority")
             request.aged = True
         return (False, 0, request.arrival_order)
 

@@ -35,12 +35,11 @@ import dataclasses
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from engine.outputs import DeadlineUnmeetableError
+from engine.scheduler import Rank, fresh_rank
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.request import Request
-
-Rank = tuple[bool, int, int]  # the scheduler's rank key (Scheduler.rank): smaller is served first
 
 MIN_OBSERVATIONS = 8  # steps seen before predictions are trusted
 DECODE_DECAY = 0.98  # the decode step is averaged over ~50 decode-only steps
@@ -158,7 +157,7 @@ class QueueView:
 
     def newcomer_rank(self, priority: int, arrival_order: int) -> Rank:
         """The rank of a request that has not waited long enough to age (Scheduler.rank)."""
-        return (True, priority if self.priority_policy else 0, arrival_order)
+        return fresh_rank(priority, arrival_order, self.priority_policy)
 
     def predict(self, own_prompt_tokens: int, rank: Rank, num_siblings: int = 1, now: float | None = None,
                 also_ahead: Iterable[tuple[Rank, int]] = ()) -> Prediction:
