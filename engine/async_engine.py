@@ -71,13 +71,14 @@ class AsyncLLMEngine:
             if engine is not None:
                 raise ValueError("engine_process: an engine object cannot be moved into a process; pass its arguments")
             self.engine: LLMEngine | None = None
+            source = read_model_source(model)  # its tokenizer and vocabulary, here too: the replica admits requests
             self._core = EngineCoreProcess(model, engine_args, self._on_report, self._on_death,
                                            parse_cpu_list(engine_cpus) if engine_cpus else None)
-            info = self._core.info
-            self.tokenizer = read_model_source(model).tokenizer
+            info = self._core.info  # what only the engine knows: the pool it sized, max_model_len to fit it
+            self.tokenizer = source.tokenizer
             self.config, self.max_model_len, self._stats = info["config"], info["max_model_len"], info["stats"]
-            self._maker = RequestMaker(self.tokenizer, info["vocab_size"], info["eos_token_ids"], self.max_model_len,
-                                       info["max_model_len_note"])
+            self._maker = RequestMaker(self.tokenizer, source.config.vocab_size, source.eos_token_ids,
+                                       self.max_model_len, info["max_model_len_note"])
         else:
             self.engine = engine if engine is not None else LLMEngine(model, **engine_args)
             self.tokenizer, self.config, self.max_model_len = (self.engine.tokenizer, self.engine.config,
@@ -118,10 +119,12 @@ class AsyncLLMEngine:
         except DeadlineUnmeetableError as e:  # refused on the stream, like a refusal from the engine
             queue.put_nowait(e)
         else:
-            with self._lock:
-                self._seq += 1
-                self._unapplied[self._seq] = requests
-                self._core.send(("add", self._seq, requests))
+            with self._lock:  # recorded before it is sent, so the report that takes it in finds it
+                self._seq = seq = self._seq + 1
+                self._unapplied[seq] = requests
+            # Outside the lock: a send can wait while the engine process is mid-step, and the reader thread needs
+            # the lock to hand over that step's report (holding it here could leave both waiting on each other).
+            self._core.send(("add", seq, requests))
         return RequestStream(request_id, requests[0].prompt_token_ids, self._stream(request_id, queue))
 
     def _check_deadline_now(self, requests: list[Request]) -> None:

@@ -76,7 +76,8 @@ def format_cpu_list(cpus: set[int]) -> str:
 
 
 class EngineDied(Exception):
-    """The loop ended with an error; ``reason`` is its repr (it crossed a process boundary as text)."""
+    """The engine's process ended: with an error (its repr, which crossed the process boundary as text), or by
+    exiting."""
 
 
 def run_step_loop(engine, receive: Callable[[bool], list[tuple]], report: Callable[[StepReport], None]) -> None:
@@ -159,8 +160,7 @@ class StepThread:
 class EngineCoreProcess:
     """Starts ``python -m engine.engine_core_child`` with the engine's arguments (and the CPUs it may run on,
     ``cpus``, when it should have cores of its own) and waits until it is ready: the model is loaded and the
-    pool sized (``info``: the engine's config, ``max_model_len`` and its note, the
-    tokenizer's vocabulary size and eos ids, the first stats). A bad argument raises ``ValueError`` here, as
+    pool sized (``info``: the engine's config, ``max_model_len`` and its note, the first stats). A bad argument raises ``ValueError`` here, as
     ``LLMEngine`` would. Reports arrive on a reader thread (``on_report``, then ``on_death`` once it ends)."""
 
     def __init__(self, model: str, engine_args: dict[str, Any], on_report: Callable[[StepReport], None],
@@ -268,8 +268,7 @@ def child_main(address: str) -> int:
         conn.send(("failed", (type(e).__name__, str(e))))
         return 1
     conn.send(("ready", {"config": engine.config, "max_model_len": engine.max_model_len,
-                         "max_model_len_note": engine._max_model_len_note, "vocab_size": engine.model_config.vocab_size,
-                         "eos_token_ids": engine.eos_token_ids, "stats": engine.stats()}))
+                         "max_model_len_note": engine._max_model_len_note, "stats": engine.stats()}))
 
     def receive(wait: bool) -> list[tuple]:
         commands = []
