@@ -40,6 +40,7 @@ import httpx
 from benchmarks.vllm_baseline import resolve_peer_python
 from benchmarks.workloads import MODEL_NAME, build_checkpoint
 from engine.engine_core import format_cpu_list
+from serve_app.cpu_plan import cpus_left
 from serve_app.ray_env import apply as apply_serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +51,10 @@ ENGINE_CPU = 0  # ours: configs/bench-vs-vllm.yaml's engine_cpus; vLLM isolated:
 
 def other_cpus() -> str:
     """Every CPU but the engines' (for the client, Ray, and vLLM's API server when isolated)."""
-    return format_cpu_list(set(os.sched_getaffinity(0)) - {ENGINE_CPU})
+    rest = cpus_left({ENGINE_CPU})
+    if rest is None:
+        raise SystemExit("serve_vs_vllm needs at least 2 CPUs: the engines' and the rest")
+    return format_cpu_list(rest)
 # vLLM's random dataset draws lengths uniformly in [len x (1 - ratio), len x (1 + ratio)]
 INPUT_LEN, OUTPUT_LEN, RANGE_RATIO = 425, 110, '{"input": 0.8824, "output": 0.8182}'  # 50-800, 20-200
 METRICS = ("completed", "failed", "output_throughput", "mean_e2el_ms", "median_e2el_ms", "median_ttft_ms",

@@ -107,12 +107,12 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     from serve_app import ray_env
     from serve_app.app import make_app
     from serve_app.config import AppConfig
+    from serve_app.cpu_plan import cpus_left
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if engine_cpus:
-        rest = set(os.sched_getaffinity(0)) - parse_cpu_list(engine_cpus)
-        if rest:
-            os.sched_setaffinity(0, rest)  # before Ray starts: its processes inherit the mask
+    rest = cpus_left(parse_cpu_list(engine_cpus)) if engine_cpus else None
+    if rest:
+        os.sched_setaffinity(0, rest)  # before Ray starts: its processes inherit the mask
     ray_env.apply()  # as `make run` starts Ray (ray.init below passes the environment on to Ray's processes)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": 8000}, logging_config={"enable_access_log": False})

@@ -35,11 +35,16 @@ def engine_cpus_of(serve_config: dict[str, Any]) -> set[int]:
     return reserved
 
 
-def serving_cpus(serve_config: dict[str, Any], available: set[int]) -> set[int] | None:
-    """``available`` less what the engines reserve; None when nothing is reserved or nothing would be left."""
-    reserved = engine_cpus_of(serve_config)
-    rest = available - reserved
+def cpus_left(reserved: set[int], available: set[int] | None = None) -> set[int] | None:
+    """``available`` (default: this process's CPUs) less ``reserved``; None when nothing is reserved or nothing
+    would be left (then everything shares every CPU)."""
+    rest = (set(os.sched_getaffinity(0)) if available is None else available) - reserved
     return rest if reserved and rest else None
+
+
+def serving_cpus(serve_config: dict[str, Any], available: set[int] | None = None) -> set[int] | None:
+    """The CPUs left for Ray's processes by the config's engines (``cpus_left``)."""
+    return cpus_left(engine_cpus_of(serve_config), available)
 
 
 def main(argv: list[str]) -> int:
@@ -47,7 +52,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m serve_app.cpu_plan SERVE_CONFIG.yaml", file=sys.stderr)
         return 2
     config = yaml.safe_load(Path(argv[0]).read_text()) or {}
-    rest = serving_cpus(config, set(os.sched_getaffinity(0)))
+    rest = serving_cpus(config)
     if rest is not None:
         print(format_cpu_list(rest))
     return 0
