@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.workloads import positive_int
+from engine.sampling_params import OUTPUT_KINDS
 
 TARGET_US_PER_STEP = 1000.0
 STAND_IN_TOKEN_ID = 72  # demo-tiny's "b": a printable ASCII byte, so every token becomes text as in a real run
@@ -71,7 +72,8 @@ def start_requests(engine, args, block: int) -> None:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                            output_kind=args.output_kind)
     for i in range(args.num_requests):
         prompt = [7 + (i * 13 + j) % 256 for j in range(args.prompt_len)]  # distinct byte-id prompts
         engine.add_request(f"{block}-{i}", prompt, params)
@@ -163,6 +165,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="output tokens each request holds when a block starts (outputs are copied every step)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="KV block size in tokens")
     parser.add_argument("--batching", default="continuous", choices=["continuous", "static"])
+    parser.add_argument("--output-kind", default="delta", choices=list(OUTPUT_KINDS),
+                        help="what each step's outputs carry (delta: what the serving path uses; cumulative: "
+                             "a copy of every request's output so far, every step)")
     parser.add_argument("--json", metavar="PATH", help='also write {"us_per_step": ..., ...} here')
     parser.add_argument("--plot", metavar="PATH.png", help="also draw the breakdown")
     args = parser.parse_args(argv)

@@ -125,7 +125,8 @@ class AsyncLLMEngine:
             # Outside the lock: a send can wait while the engine process is mid-step, and the reader thread needs
             # the lock to hand over that step's report (holding it here could leave both waiting on each other).
             self._core.send(("add", seq, requests))
-        return RequestStream(request_id, requests[0].prompt_token_ids, self._stream(request_id, queue))
+        delta = requests[0].params.output_kind == "delta"
+        return RequestStream(request_id, requests[0].prompt_token_ids, self._stream(request_id, queue, delta))
 
     def _check_deadline_now(self, requests: list[Request]) -> None:
         """Refuse an unmeetable deadline here, from the engine's latest view of its queue plus what was sent
@@ -142,14 +143,14 @@ class AsyncLLMEngine:
                        for siblings in self._unapplied.values() for r in siblings]
         check_deadline(requests, view, time.time(), pending)
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, queue: asyncio.Queue, delta: bool) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
                 item = await queue.get()
                 while not queue.empty() and isinstance(item, RequestOutput) and not item.finished:
                     nxt = queue.get_nowait()
-                    item = _merge(item, nxt) if isinstance(nxt, RequestOutput) else nxt
+                    item = _merge(item, nxt, delta) if isinstance(nxt, RequestOutput) else nxt
                 if isinstance(item, (ValueError, DeadlineUnmeetableError)):
                     raise item  # the request was refused; the engine is fine
                 if isinstance(item, BaseException):
@@ -229,9 +230,18 @@ class AsyncLLMEngine:
             queue.put_nowait(error)
 
 
-def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """``newer`` with the per-step deltas of ``older`` prepended (both of the same request)."""
+def _merge(older: RequestOutput, newer: RequestOutput, delta: bool) -> RequestOutput:
+    """One output for two queued ones of the same request: ``newer`` with what ``older`` added prepended (for
+    ``delta`` outputs, everything ``older`` carried: its tokens, text and logprobs, and the prompt's fields)."""
     for old, new in zip(older.outputs, newer.outputs):
-        new.new_token_ids = old.new_token_ids + new.new_token_ids
-        new.new_text = old.new_text + new.new_text
+        if delta:
+            new.token_ids = new.new_token_ids = old.token_ids + new.token_ids
+            new.text = new.new_text = old.text + new.text
+            if new.logprobs is not None:
+                new.logprobs = old.logprobs + new.logprobs
+        else:
+            new.new_token_ids = old.new_token_ids + new.new_token_ids
+            new.new_text = old.new_text + new.new_text
+    if delta and newer.prompt_token_ids is None:
+        newer.prompt_token_ids, newer.prompt_logprobs = older.prompt_token_ids, older.prompt_logprobs
     return newer

@@ -50,6 +50,8 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
         batches = []
         for prompt, params in zip(prompts, params_list):
+            if isinstance(params, SamplingParams):  # only finished outputs are read: no snapshot per step
+                params = params.replace(output_kind="final_only")
             batches.append(self.engine.make_requests(str(self._next_id), prompt, params))
             self._next_id += 1
         order = {batch[0].parent_id: i for i, batch in enumerate(batches)}

@@ -247,7 +247,10 @@ class LLMEngine:
         outputs = []
         children_of, make_output = self._children, self.output_processor.make_output
         for parent in touched:
-            output = make_output(children_of[parent])
+            children = children_of[parent]
+            if children[0].params.output_kind == "final_only" and not all(c.is_finished for c in children):
+                continue
+            output = make_output(children)
             if output.finished:
                 for child in children_of.pop(parent):
                     if child.finish_reason in ("stop", "length") and not child.prefill_only:

@@ -86,33 +86,43 @@ class OutputProcessor:
             request.pooled_sum = output.pooled_sum if pooled is None else pooled + output.pooled_sum
 
     def make_output(self, children: list[Request]) -> RequestOutput:
-        """Snapshot of a request (all ``n`` children) with what is new since the last snapshot."""
+        """Snapshot of a request (all ``n`` children) with what is new since the last snapshot, shaped by its
+        ``output_kind``: a delta output holds only what is new, and the prompt's fields in the first one only."""
         first = children[0]
+        complete = _delta if first.params.output_kind == "delta" else _completion
         if len(children) == 1:  # the usual case, once per request per step: no generator for all()
-            completions = [_completion(first)]
+            completions = [complete(first)]
             finished = first.status is _FINISHED
         else:
-            completions = [_completion(child) for child in children]
+            completions = [complete(child) for child in children]
             finished = all(c.is_finished for c in children)
+        prompt_token_ids, prompt_logprobs = first.prompt_token_ids, first.prompt_logprobs
+        if complete is _delta:
+            if first.sent_first_output:
+                prompt_token_ids = prompt_logprobs = None
+            first.sent_first_output = True
         # Positional, in field order: keyword arguments cost twice as much, and this runs per request per step.
-        output = RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
-                               first.metrics, first.prompt_logprobs)
+        output = RequestOutput(first.parent_id, first.prompt, prompt_token_ids, completions, finished,
+                               first.metrics, prompt_logprobs)
         if finished and first.pool and first.pooled_sum is not None:
             output.embedding = (first.pooled_sum / first.num_prompt_tokens).tolist()
         return output
 
 
+def _visible_text_len(request: Request, finished: bool) -> int:
+    """How much of the text may be sent: all of it, except what could be the start of a stop string while the
+    request runs (so a stop string is never streamed)."""
+    text, stops = request.text, request.params.stop
+    if finished or not stops:
+        return len(text)  # without stop strings nothing is held back (and text never shrinks)
+    return max(request.sent_text_len, len(text) - max(0, request.params.max_stop_chars - 1))
+
 
 def _completion(request: Request) -> CompletionOutput:
-    """One sequence's snapshot; advances what has been sent of it."""
+    """One sequence's snapshot, everything so far; advances what has been sent of it."""
     text = request.text
     finished = request.status is _FINISHED
-    stops = request.params.stop
-    if finished or not stops:
-        visible = len(text)  # without stop strings nothing is held back (and text never shrinks)
-    else:
-        # Hold back what could be the start of a stop string, so a stop string is never streamed.
-        visible = max(request.sent_text_len, len(text) - max(0, request.params.max_stop_chars - 1))
+    visible = _visible_text_len(request, finished)
     output_token_ids = request.output_token_ids
     new_text = text[request.sent_text_len:visible]
     new_tokens = output_token_ids[request.sent_token_len:]
@@ -123,4 +133,19 @@ def _completion(request: Request) -> CompletionOutput:
     return CompletionOutput(request.index, list(output_token_ids), text[:visible], new_tokens, new_text,
                             request.finish_reason if finished else None, request.stop_reason,
                             list(request.logprobs) if request.logprobs is not None else None,
+                            request.cumulative_logprob)
+
+
+def _delta(request: Request) -> CompletionOutput:
+    """One sequence's new tokens, text and logprobs since the previous output; advances what has been sent."""
+    finished = request.status is _FINISHED
+    visible = _visible_text_len(request, finished)
+    sent_tokens = request.sent_token_len
+    new_text = request.text[request.sent_text_len:visible]
+    new_tokens = request.output_token_ids[sent_tokens:]
+    request.sent_text_len = visible
+    request.sent_token_len = sent_tokens + len(new_tokens)
+    logprobs = request.logprobs[sent_tokens:] if request.logprobs is not None else None  # one entry per token
+    return CompletionOutput(request.index, new_tokens, new_text, new_tokens, new_text,
+                            request.finish_reason if finished else None, request.stop_reason, logprobs,
                             request.cumulative_logprob)

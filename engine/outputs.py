@@ -47,7 +47,8 @@ class CompletionOutput:
     """One of the ``n`` sequences of a request.
 
     ``token_ids`` and ``text`` are everything so far; ``new_token_ids`` and ``new_text`` are what
-    this step added (what a streaming client sends on).
+    this step added (what a streaming client sends on). With ``output_kind="delta"`` ``token_ids``, ``text``
+    and ``logprobs`` hold only what is new too (one list each, no copy of what came before).
     """
 
     index: int
@@ -70,11 +71,12 @@ class RequestOutput:
     """A request's state after a step. ``prompt_logprobs`` (asked for with ``SamplingParams.prompt_logprobs``):
     one entry per prompt position, None at position 0, complete in every output after the prompt is computed.
     ``embedding`` (an embedding request, ``PoolingParams``): the mean over the prompt's positions of the
-    final-norm hidden state, in the finished output."""
+    final-norm hidden state, in the finished output. With ``output_kind="delta"`` the prompt's fields
+    (``prompt_token_ids``, ``prompt_logprobs``) come in a request's first output only, None in later ones."""
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics

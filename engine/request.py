@@ -41,7 +41,7 @@ class Request:
         "finish_reason", "stop_reason", "metrics", "deadline", "generator", "max_total_tokens",
         "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
         "cumulative_logprob", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
-        "has_prompt_work",
+        "has_prompt_work", "sent_first_output",
     )
 
     def __init__(
@@ -85,6 +85,7 @@ class Request:
         self.sent_text_len = 0
         self.sent_token_len = 0
         self.decoder = None
+        self.sent_first_output = False  # delta outputs carry the prompt's fields in the first one only
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.static_padding = False  # static mode: finished, but still holds its slot until the batch ends

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+# What each RequestOutput of a request carries (vLLM's RequestOutputKind): "cumulative", everything so far plus
+# what is new (new_token_ids, new_text); "delta", only what is new since the previous output (no per-step copy
+# of a long output, and little to send across a process boundary); "final_only", one output when it is done.
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -33,6 +38,7 @@ class SamplingParams:
     # Refuse at admission (DeadlineUnmeetableError) when the first token is predicted past the deadline.
     # Servers turn it off for their own default timeout, a safety net rather than the client's need.
     reject_unmeetable_deadline: bool = True
+    output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples so params stay hashable.
@@ -89,6 +95,8 @@ class SamplingParams:
             raise bad("reject_unmeetable_deadline", "must be true or false")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise bad("timeout_s", "must be > 0 or None")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", f"must be one of {OUTPUT_KINDS}")
 
     @property
     def prefill_only(self) -> bool:

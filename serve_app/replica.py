@@ -69,8 +69,10 @@ class LLMReplica:
             return
         try:
             prompt = self._prompt(request)
+            # Delta outputs: each carries only the new tokens, so no step copies a request's whole output.
             params = SamplingParams(**request["params"], timeout_s=request.get("timeout_s"),
-                                    reject_unmeetable_deadline=request.get("strict_deadline", True))
+                                    reject_unmeetable_deadline=request.get("strict_deadline", True),
+                                    output_kind="delta")
             stream = self.engine.submit(prompt, params, request_id=request["request_id"],
                                         priority=request.get("priority", 0))
         except ValueError as e:
@@ -79,15 +81,15 @@ class LLMReplica:
         num_prompt_tokens = len(stream.prompt_token_ids)
         self.metrics.prompt_tokens.inc(max(1, num_prompt_tokens * params.n))
         started = {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
-        sent_logprobs = [0] * params.n
+        num_generated = 0
         echo = self._echo(request, stream.prompt_token_ids, params) if request.get("echo") else None
-        output: RequestOutput | None = None
         held: dict[str, Any] | None = None
         last_sent = 0.0  # nothing with tokens sent yet: the first tokens go at once
         self.num_streams += 1
         try:
             async for output in stream:
-                held = _merge_chunks(held, self._chunk(output, sent_logprobs, params.logprobs or 0, echo))
+                num_generated += sum(len(c.token_ids) for c in output.outputs)
+                held = _merge_chunks(held, self._chunk(output, params.logprobs or 0, echo))
                 now = time.monotonic()
                 if output.finished or now - last_sent >= self.num_streams / self.max_messages_per_s:
                     if started is not None:
@@ -95,15 +97,15 @@ class LLMReplica:
                     yield held
                     held, last_sent = None, now
                 if output.finished:
-                    self._on_finished(output)
+                    self._on_finished(output, num_generated)
         except DeadlineUnmeetableError as e:  # refused at admission (before any output): a late first token predicted
             yield self._refuse_unmeetable(e)
         finally:
             self.num_streams -= 1
             # counted once per request: a metric update per message costs more than it (Ray refuses inc(0):
             # a prefill-only request, or one that ended before its first token, generated nothing)
-            if output is not None and any(c.token_ids for c in output.outputs):
-                self.metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+            if num_generated:
+                self.metrics.generation_tokens.inc(num_generated)
 
     async def embed(self, request: dict[str, Any]) -> dict[str, Any]:
         """``/v1/embeddings``: every input is an engine request (the prefill lane batches them together).
@@ -165,18 +167,15 @@ class LLMReplica:
             return self.engine.tokenizer.chat_prompt(request["messages"], request.get("add_generation_prompt", True))
         return request["prompt"]
 
-    def _chunk(self, output: RequestOutput, sent_logprobs: list[int], num_top: int,
-               echo: _Echo | None = None) -> dict[str, Any]:
+    def _chunk(self, output: RequestOutput, num_top: int, echo: _Echo | None = None) -> dict[str, Any]:
+        """The message for one delta output (see ``generate``)."""
         choices = []
         for completion in output.outputs:
-            choice = {"index": completion.index, "text": completion.new_text,
-                      "num_tokens": len(completion.new_token_ids), "finish_reason": completion.finish_reason,
-                      "stop_reason": completion.stop_reason}
+            choice = {"index": completion.index, "text": completion.text, "num_tokens": len(completion.token_ids),
+                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
             if completion.logprobs is not None:
-                new = completion.logprobs[sent_logprobs[completion.index]:]
-                sent_logprobs[completion.index] = len(completion.logprobs)
-                choice["logprobs"] = [_logprob_entry(entry, token_id, num_top) for entry, token_id in
-                                      zip(new, completion.token_ids[len(completion.token_ids) - len(new):])]
+                choice["logprobs"] = [_logprob_entry(entry, token_id, num_top)
+                                      for entry, token_id in zip(completion.logprobs, completion.token_ids)]
             if echo is not None:
                 echo.prepend(choice, output)
             choices.append(choice)
@@ -188,9 +187,8 @@ class LLMReplica:
         text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_token_ids)
         return _Echo(text, params.prompt_logprobs, tokenizer.decode(prompt_token_ids[:1], skip_special_tokens=False))
 
-    def _on_finished(self, output: RequestOutput) -> None:
+    def _on_finished(self, output: RequestOutput, num_tokens: int) -> None:
         self.drain.record()
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
         timed_out = any(c.finish_reason == "timeout" for c in output.outputs)
         self.metrics.observe_finished(output.metrics, num_tokens // max(1, len(output.outputs)), timed_out)
 
