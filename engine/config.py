@@ -50,6 +50,10 @@ class EngineConfig:
     swap_space_bytes: int = 0
     attention_backend: str = "auto"  # auto: flash-attn, then Triton, on CUDA; the compiled CPU kernels on a CPU
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (debugging, or to save their memory)
+    # Schedule step N+1 while the device runs step N, its decode rows fed the tokens step N samples (they never
+    # visit the host first); step N's outputs are processed meanwhile too. None (auto): on for continuous
+    # batching on CUDA. On a CPU the forward shares the cores with the host work, so it is off there unless asked.
+    async_scheduling: bool | None = None
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
     # Requests that generate nothing (prompt scoring with max_tokens=0, embeddings) take the prefill lane
@@ -115,6 +119,10 @@ class EngineConfig:
             raise bad("swap_space_bytes", "must be > 0 when preemption_mode is 'swap'")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be true or false")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise bad("async_scheduling", "must be true, false or None (auto)")
+        if self.async_scheduling and self.batching == "static":
+            raise bad("async_scheduling", "needs continuous batching (a static batch has nothing to schedule ahead)")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):

@@ -6,12 +6,14 @@ import collections
 import dataclasses
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from engine.config import EngineConfig
 from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
 from engine.models.loader import read_model_source
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, RunnerOutput
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.prefill_lane import PrefillLane
@@ -24,6 +26,17 @@ from engine.request_maker import PromptInput, RequestMaker
 from engine.ttft_predictor import QueueView, Rank, TTFTPredictor, check_deadline, predicts_for
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A scheduled step being computed: its batch, its rows' requests, and its (result, seconds) once known:
+    ``outcome`` when it was computed at once, ``future`` when it runs on the device thread."""
+
+    batch: SchedulerOutput
+    rows: list[Request]
+    future: Future | None
+    outcome: tuple[RunnerOutput, float] | None = None
 
 # The KV diagnosis looks at every SAMPLE_EVERY-th step, over the last DIAGNOSIS_WINDOW samples, and is
 # re-run every DIAGNOSE_EVERY steps: cheap enough for every engine, slow enough to see states, not bursts.
@@ -71,6 +84,12 @@ class LLMEngine:
         self.num_generated_tokens = 0
         # Called at the end of every step with what it did; off (None) unless a benchmark or tracer sets it.
         self.step_listener: Callable[[StepRecord], None] | None = None
+        # Async scheduling: the thread that runs the forwards, in order, and the step it is computing.
+        config = self.config
+        use_async = (config.async_scheduling if config.async_scheduling is not None
+                     else config.batching == "continuous" and self.runner.device.type == "cuda")
+        self._device = ThreadPoolExecutor(1, thread_name_prefix="inflight-device") if use_async else None
+        self._in_flight: _Launched | None = None
 
     def _set_preemption_costs(self) -> None:
         """Swap or recompute a victim: time to copy its blocks out and back at the measured host-copy rate,
@@ -201,46 +220,22 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step of the loop; returns the outputs of the requests that got a token or ended.
+
+        Synchronously: schedule, compute, process. With async scheduling: schedule and launch this step, then
+        process the previous step's results while this one computes; outputs lag the device by one step."""
         scheduler = self.scheduler
         listener = self.step_listener
         started = time.perf_counter()
-        batch = scheduler.schedule()
-        record = self._record_step(batch) if listener is not None else None
-        self.last_batch_size = batch.num_rows
+        launched = self._schedule_and_launch()
+        record = self._record_step(launched.batch) if listener is not None and launched is not None else None
         touched: dict[str, None] = dict.fromkeys(r.parent_id for r in scheduler.drain_ended_without_token())
-        if not batch.is_empty:
-            # Per row of every step from here: locals, and no per-row dict unless a row asked for logprobs.
-            sampled_rows = [r for r, s in zip(scheduler.scheduled_requests(), batch.sample) if s]
-            sampling = SamplingBatch(
-                params=[r.params for r in sampled_rows],
-                generators=[r.generator for r in sampled_rows],
-                num_output_tokens=[len(r.output_token_ids) for r in sampled_rows],
-                eos_token_ids=self.eos_token_ids,
-            )
-            result = self.runner.execute(batch, sampling)
-            if result.prompt_outputs:  # before update, which ends the prefill-only requests whose prompt is done
-                rows, add_prompt_outputs = scheduler.scheduled_requests(), self.output_processor.add_prompt_outputs
-                for row, prompt_output in result.prompt_outputs.items():
-                    add_prompt_outputs(rows[row], batch.start_positions[row], prompt_output)
-            logprobs = result.logprobs
-            logprobs_by_id = ({rid: lp for rid, lp in zip(batch.request_ids, logprobs) if lp is not None}
-                              if logprobs.count(None) != len(logprobs) else None)
-            advanced = scheduler.update(result.sampled_token_ids)
-            for request in self.output_processor.process_tokens(advanced, logprobs_by_id):
-                if not request.is_finished:
-                    scheduler.finish(request, "stop")  # a stop string ended it
-            for request in advanced:
-                touched[request.parent_id] = None
-            for request in scheduler.drain_ended_without_token():  # prefill-only requests done in this step
-                touched[request.parent_id] = None
-            self.num_generated_tokens += len(advanced)
-            self.num_steps += 1
-            if self.predictor is not None:
-                num_decode_rows = batch.query_lens.count(1)
-                self.predictor.observe(time.perf_counter() - started, batch.num_tokens - num_decode_rows,
-                                       num_decode_rows)
-            if self.num_steps % SAMPLE_EVERY == 0:
-                self._sample_kv(batch, time.perf_counter() - started)
+        if self._device is None:
+            done = launched
+        else:
+            done, self._in_flight = self._in_flight, launched
+        if done is not None:
+            self._process(done, touched)
         if self.lane is not None and self.lane.has_work():
             for request in self._run_prefill_lane():
                 touched[request.parent_id] = None
@@ -262,6 +257,60 @@ class LLMEngine:
             listener(dataclasses.replace(record, duration_s=time.perf_counter() - started))
         return outputs
 
+    def _schedule_and_launch(self) -> "_Launched | None":
+        """Schedule a batch and start computing it (at once, or on the device thread); None: nothing to run."""
+        scheduler = self.scheduler
+        batch = scheduler.schedule()
+        self.last_batch_size = batch.num_rows
+        if batch.is_empty:
+            return None
+        rows = scheduler.scheduled_requests()
+        # Per row of every step from here: locals, and no per-row dict unless a row asked for logprobs.
+        sampled_rows = [r for r, s in zip(rows, batch.sample) if s]
+        sampling = SamplingBatch(
+            params=[r.params for r in sampled_rows],
+            generators=[r.generator for r in sampled_rows],
+            # tokens before this one, the ones still in flight included
+            num_output_tokens=[len(r.output_token_ids) + r.num_pending_tokens - 1 for r in sampled_rows],
+            eos_token_ids=self.eos_token_ids,
+        )
+        if self._device is None:
+            return _Launched(batch, rows, None, self._timed_execute(batch, sampling))
+        return _Launched(batch, rows, self._device.submit(self._timed_execute, batch, sampling))
+
+    def _timed_execute(self, batch: SchedulerOutput, sampling: SamplingBatch) -> tuple[RunnerOutput, float]:
+        started = time.perf_counter()
+        result = self.runner.execute(batch, sampling)
+        return result, time.perf_counter() - started
+
+    def _process(self, launched: "_Launched", touched: dict[str, None]) -> None:
+        """Apply a computed step: prompt outputs, tokens (stop rules, stop strings), the predictor's clock."""
+        scheduler, batch = self.scheduler, launched.batch
+        result, seconds = launched.outcome if launched.future is None else launched.future.result()
+        if result.prompt_outputs:  # before update, which ends the prefill-only requests whose prompt is done
+            rows, add_prompt_outputs = launched.rows, self.output_processor.add_prompt_outputs
+            for row, prompt_output in result.prompt_outputs.items():
+                if not rows[row].is_finished:
+                    add_prompt_outputs(rows[row], batch.start_positions[row], prompt_output)
+        logprobs = result.logprobs
+        logprobs_by_id = ({rid: lp for rid, lp in zip(batch.request_ids, logprobs) if lp is not None}
+                          if logprobs.count(None) != len(logprobs) else None)
+        advanced = scheduler.update(result.sampled_token_ids)
+        for request in self.output_processor.process_tokens(advanced, logprobs_by_id):
+            if not request.is_finished:
+                scheduler.finish(request, "stop")  # a stop string ended it
+        for request in advanced:
+            touched[request.parent_id] = None
+        for request in scheduler.drain_ended_without_token():  # prefill-only requests done in this step
+            touched[request.parent_id] = None
+        self.num_generated_tokens += len(advanced)
+        self.num_steps += 1
+        if self.predictor is not None:
+            num_decode_rows = batch.query_lens.count(1)
+            self.predictor.observe(seconds, batch.num_tokens - num_decode_rows, num_decode_rows)
+        if self.num_steps % SAMPLE_EVERY == 0:
+            self._sample_kv(batch, seconds)
+
     def _run_prefill_lane(self) -> list[Request]:
         """One lane batch, after the scheduler's step (see prefill_lane.py for why); returns the lane requests
         that ended in this step, aborted and timed-out ones included."""
@@ -269,7 +318,11 @@ class LLMEngine:
         batch = lane.next_batch()
         if batch:
             add_prompt_outputs = self.output_processor.add_prompt_outputs
-            for request, prompt_output in zip(batch, self.runner.execute_prefill(lane.batch_input(batch))):
+            prefill_input = lane.batch_input(batch)
+            # after any step still computing: one thread owns the device
+            results = (self.runner.execute_prefill(prefill_input) if self._device is None
+                       else self._device.submit(self.runner.execute_prefill, prefill_input).result())
+            for request, prompt_output in zip(batch, results):
                 add_prompt_outputs(request, 0, prompt_output)
                 lane.finish(request)
         return batch + lane.drain_ended()
@@ -277,7 +330,6 @@ class LLMEngine:
     def _record_step(self, batch: SchedulerOutput) -> StepRecord:
         """The state this step runs in, taken before the runner and ``update`` change it."""
         scheduler = self.scheduler
-        new_tokens = sum(n for n, padding in zip(batch.query_lens, batch.padding) if not padding)
         return StepRecord(
             step_index=self.num_steps,
             batch=batch,
@@ -285,11 +337,15 @@ class LLMEngine:
             parent_ids={r.request_id: r.parent_id for r in scheduler.running},
             num_waiting=len(scheduler.waiting),
             kv_blocks_used=scheduler.kv.pool.num_used,
-            kv_tokens_used=scheduler.kv_stats().num_tokens_used + new_tokens,
+            kv_tokens_used=scheduler.kv_stats().num_tokens_used,  # the step's new tokens count as computed
         )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._children)
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self._device is not None
 
     def stats(self) -> dict[str, Any]:
         kv = self.scheduler.kv_stats()

@@ -112,6 +112,7 @@ class ModelRunner:
                             for _ in range(source.config.num_layers)] if self.num_swap_blocks else []
         self.swap_bytes_per_s = self._measure_swap_rate() if self.num_swap_blocks else 0.0
         self.graphs: DecodeGraphs | None = None
+        self._last_sampled: tuple[list[str], list[int | None]] = ([], [])  # the latest step's rows and samples
         if self.device.type == "cuda":
             cfg = source.config
             tune = getattr(self.backend, "tune_decode", None)
@@ -208,6 +209,8 @@ class ModelRunner:
         arrays = self._prepare(batch)
         logits_index = torch.from_numpy(arrays.logits_index).to(self.device)
         input_ids = np.asarray(batch.input_token_ids, dtype=np.int64)
+        if batch.placeholder_rows:
+            self._fill_placeholders(input_ids, batch)
         if self.graphs is not None and arrays.all_decode and self.graphs.fits(batch.num_rows):
             hidden = self.graphs.run(input_ids, arrays.positions, arrays.slots, arrays.tables, arrays.seq_lens)
         else:
@@ -227,7 +230,16 @@ class ModelRunner:
                 logprobs[row] = lp
         prompt_outputs = (self._prompt_outputs(hidden, batch.input_token_ids, batch.query_lens, batch.prompt_rows)
                           if batch.prompt_rows else {})
+        self._last_sampled = (batch.request_ids, sampled)
         return RunnerOutput(sampled, logprobs, prompt_outputs)
+
+    def _fill_placeholders(self, input_ids: np.ndarray, batch: SchedulerOutput) -> None:
+        """Async scheduling: a decode row scheduled before its input token was sampled takes it from the step
+        before this one (steps run in order, and a pending token is always the previous step's)."""
+        last = dict(zip(*self._last_sampled))
+        token_index = np.cumsum(batch.query_lens) - 1  # a placeholder row is a decode row: its one token
+        for row in batch.placeholder_rows:
+            input_ids[token_index[row]] = last[batch.request_ids[row]]
 
     @torch.inference_mode()
     def execute_prefill(self, batch: PrefillBatch) -> list[PromptOutput]:

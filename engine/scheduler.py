@@ -15,7 +15,7 @@ from engine.block_pool import BlockPool, KVCacheManager, KVCacheStats
 from engine.config import EngineConfig
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import PromptRow, SchedulerOutput
+from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, PromptRow, SchedulerOutput
 
 
 Rank = tuple[bool, int, int]  # Scheduler.rank's key: smaller is served first
@@ -43,9 +43,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # The last schedule()'s rows as two parallel lists (no tuple per row per step): requests, tokens of each.
-        self._scheduled_requests: list[Request] = []
-        self._scheduled_counts: list[int] = []
+        # Scheduled steps whose results have not been applied (update), oldest first: each step's rows as two
+        # parallel lists (no tuple per row per step), the requests and the KV length each reaches. One step in
+        # the synchronous loop; two while the engine schedules a step before the previous one's tokens are back
+        # (async scheduling).
+        self._in_flight: deque[tuple[list[Request], list[int]]] = deque()
         self._num_with_deadline = 0
         self._num_with_prompt_work = 0  # requests here with Request.has_prompt_work (prompt outputs, or no generation)
         # aborted, timed out, or prefill-only and done (they end without producing a token) since the last drain
@@ -124,8 +126,8 @@ class Scheduler:
         return ended
 
     def scheduled_requests(self) -> list[Request]:
-        """The requests of the last ``schedule()``, in row order."""
-        return self._scheduled_requests
+        """The requests of the latest ``schedule()``, in row order."""
+        return self._in_flight[-1][0] if self._in_flight else []
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -140,10 +142,22 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """This step's batch. The scheduled tokens count as computed from here on (their KV is written by the
+        time anything reads it: steps run in order), and each row that samples owes its request a pending
+        token until ``update`` brings it."""
         self._expire_deadlines()
         picked = self._pick()
-        self._scheduled_requests, self._scheduled_counts = list(picked), list(picked.values())
-        return self._build_output(self._scheduled_requests, self._scheduled_counts)
+        requests, counts = list(picked), list(picked.values())
+        out = self._build_output(requests, counts)
+        ends = []
+        for request, num_new, sample in zip(requests, counts, out.sample):
+            if not request.static_padding:
+                request.num_computed_tokens += num_new
+                request.num_pending_tokens += sample
+            ends.append(request.num_computed_tokens)
+        if requests:
+            self._in_flight.append((requests, ends))
+        return out
 
     def _pick(self) -> dict[Request, int]:
         """This step's rows, in order: each request and how many of its tokens to compute."""
@@ -170,12 +184,16 @@ class Scheduler:
             else:
                 token_ids = request.all_token_ids
                 if num_new == 1:
-                    add_input(token_ids[start])
+                    if start < len(token_ids):
+                        add_input(token_ids[start])
+                    else:  # the token an in-flight step samples: the runner puts it in
+                        out.placeholder_rows.append(len(out.request_ids) - 1)
+                        add_input(PLACEHOLDER_TOKEN_ID)
                 else:
                     extend_input(token_ids[start:start + num_new])
                 add_query_len(num_new)
                 add_start(start)
-                add_sample(start + num_new == len(token_ids))
+                add_sample(start + num_new == len(token_ids) + request.num_pending_tokens)
                 add_padding(False)
                 metrics = request.metrics
                 if metrics.first_scheduled_time is None:
@@ -206,34 +224,37 @@ class Scheduler:
                 out.prompt_rows[row] = PromptRow(num_top, request.pool, prompt[end] if end < len(prompt) else None)
 
     def update(self, sampled_token_ids: list[int | None]) -> list[Request]:
-        """Apply the runner's results: advance computed tokens, append samples, end finished requests.
+        """Apply the results of the oldest scheduled step: append samples, end finished requests, cache the
+        blocks its KV filled. A request that ended meanwhile (a stop in the previous step, an abort, a
+        deadline) drops its token; one preempted meanwhile keeps it (the token is real).
 
         Returns the requests that produced a token this step (finished ones included).
         """
+        requests, ends = self._in_flight.popleft()
         advanced: list[Request] = []
         finished: list[Request] = []
         add_advanced = advanced.append
-        done = RequestStatus.FINISHED
+        done, running = RequestStatus.FINISHED, RequestStatus.RUNNING
         kv = self.kv
         caching, block_size, num_hashed_blocks = kv.enable_prefix_caching, kv.block_size, kv.num_hashed_blocks
-        for request, num_new, token_id in zip(self._scheduled_requests, self._scheduled_counts, sampled_token_ids):
+        for request, end, token_id in zip(requests, ends, sampled_token_ids):
             if request.static_padding or request.status is done:
                 continue
-            computed = request.num_computed_tokens = request.num_computed_tokens + num_new
-            if caching and computed >= (num_hashed_blocks(request.request_id) + 1) * block_size:
-                kv.cache_computed_blocks(request.request_id, request.all_token_ids, computed)
+            if (caching and request.status is running and end <= request.num_computed_tokens
+                    and end >= (num_hashed_blocks(request.request_id) + 1) * block_size):
+                kv.cache_computed_blocks(request.request_id, request.all_token_ids, end)
             if token_id is None:
-                if computed == request.max_total_tokens:  # a prefill-only request's last chunk: it is done
+                if end == request.max_total_tokens:  # a prefill-only request's last chunk: it is done
                     request.finish_reason = "length"
                     finished.append(request)
                     self._ended_without_token.append(request)
                 continue  # a prefill chunk that is not the last one
+            request.num_pending_tokens -= 1
             add_advanced(request)
             if request.append_token(token_id):
                 finished.append(request)
         for request in finished:
             self.finish(request, request.finish_reason)
-        self._scheduled_requests, self._scheduled_counts = [], []
         self._on_step_end()
         return advanced
 
@@ -294,7 +315,10 @@ class ContinuousScheduler(Scheduler):
         running_status = RequestStatus.RUNNING
         decoding, prefilling = [], []
         for request in self.running:
-            left = len(request.all_token_ids) - request.num_computed_tokens
+            known = len(request.all_token_ids) + request.num_pending_tokens  # pending: sampled by an in-flight step
+            if request.num_pending_tokens and known >= request.max_total_tokens:
+                continue  # its last token is in flight: it ends when that lands
+            left = known - request.num_computed_tokens
             if left == 1:
                 decoding.append(request)
             elif left > 1:
@@ -304,7 +328,7 @@ class ContinuousScheduler(Scheduler):
             if request.status is not running_status or budget == 0:
                 continue  # preempted earlier in this loop
             computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - computed
+            num_new = len(request.all_token_ids) + request.num_pending_tokens - computed
             if num_new > budget:
                 num_new = budget
             table = tables.get(request.request_id)

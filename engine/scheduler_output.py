@@ -14,6 +14,9 @@ class PromptRow(NamedTuple):
     next_token_id: int | None  # the prompt token after the chunk, which its last position predicts; None at the end
 
 
+PLACEHOLDER_TOKEN_ID = -1
+
+
 @dataclass
 class SchedulerOutput:
     """One step's batch.
@@ -38,6 +41,9 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Rows (by index) of requests that want prompt logprobs or pooled hidden states from this chunk.
     prompt_rows: dict[int, PromptRow] = field(default_factory=dict)
+    # Decode rows (by index) whose input is the token an earlier, still running step samples (async scheduling):
+    # their input_token_ids entry is PLACEHOLDER_TOKEN_ID until the runner puts that token in.
+    placeholder_rows: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

@@ -47,6 +47,18 @@ def test_greedy_matches_transformers_under_pressure(checkpoint, arch, backend):
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_async_scheduling_matches_transformers(checkpoint, arch):
+    """Steps scheduled ahead of their inputs (the forward on the device thread) give the same tokens."""
+    path = checkpoint(arch)
+    prompts, params = workload(seed=3)
+    engine = make_engine(path, async_scheduling=True, **PRESSURE)
+    got = generate_ids(engine, prompts, params)
+    assert engine.async_scheduling and engine.scheduler.num_preemptions > 0
+    assert_matches_hf(path, prompts, params, got)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
 def test_preempted_kv_swapped_or_recomputed_gives_transformers_tokens(checkpoint, mode):
     """Preemption either copies the victim's KV to host memory and back, or recomputes it: the same tokens."""
