@@ -29,14 +29,24 @@ def test_part_timer_takes_inner_parts_out_of_outer_ones():
     assert timer.seconds == pytest.approx({"outer": 1.5, "inner": 4.0})
 
 
-def test_a_small_run_reports_us_per_step(tmp_path, capsys):
+def test_a_small_run_reports_both_loops(tmp_path, capsys):
     out = tmp_path / "out.json"
     scheduler.main(["--num-requests", "8", "--steps", "5", "--repeats", "2", "--decoded-tokens", "3",
-                    "--prompt-len", "8", "--json", str(out)])
+                    "--prompt-len", "8", "--device-ms", "2", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["us_per_step"] > 0 and len(result["us_per_step_blocks"]) == 2
     assert set(result["breakdown_us_per_step"]) == set(scheduler.PARTS)
-    assert "us_per_step" in capsys.readouterr().out
+    loops = result["loops"]
+    assert set(loops) == {"sync", "async"}
+    for loop in loops.values():
+        # the stand-in device slept at least its 2 ms per step, and the wall time holds it
+        assert loop["device_us_per_step"] >= 2000 and loop["wall_us_per_step"] >= loop["device_us_per_step"]
+        blocks = loop["overhead_us_per_step_blocks"]
+        assert len(blocks) == 2 and min(blocks) <= loop["overhead_us_per_step"] <= max(blocks)
+    assert result["us_per_step"] == loops["sync"]["overhead_us_per_step"]
+    assert result["async_overhead_us_per_step"] == loops["async"]["overhead_us_per_step"]
+    printed = capsys.readouterr().out
+    assert "sync us_per_step" in printed and "async overhead_us_per_step" in printed
 
 
 def test_bad_block_size_is_named():
