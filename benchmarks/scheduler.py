@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.workloads import positive_int
+from engine.engine_core import settle_heap
 from engine.sampling_params import OUTPUT_KINDS
 
 TARGET_US_PER_STEP = 600.0  # the synchronous loop's host time per step at 256 requests
@@ -196,6 +197,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "the host sees it): the async loop hides its host work behind it")
     parser.add_argument("--loops", default="sync,async",
                         help="which engine loops to time, comma-separated: sync, async")
+    parser.add_argument("--no-settle-heap", dest="settle_heap", action="store_false",
+                        help="leave the garbage collector as it is (the engine's process freezes the heap built "
+                             "before its loop and raises the young generation's threshold: engine_core.settle_heap)")
     parser.add_argument("--json", metavar="PATH", help='also write {"us_per_step": ..., ...} here')
     parser.add_argument("--plot", metavar="PATH.png", help="also draw the breakdown")
     args = parser.parse_args(argv)
@@ -220,6 +224,8 @@ def time_loop(args, async_scheduling: bool) -> dict[str, Any]:
     """Median microseconds per step of one loop over ``--repeats`` blocks: wall, the host thread's CPU, and the
     overhead (wall minus ``--device-ms``: what the host adds to the device's time)."""
     engine = build_engine(args, async_scheduling)
+    if args.settle_heap:
+        settle_heap()  # as the engine's own process does before its loop
     blocks, cpu_blocks, overhead_blocks, device_blocks = [], [], [], []
     name = "async" if async_scheduling else "sync"
     for block in tqdm(range(args.repeats), desc=f"timed blocks, {name}", unit="block", file=sys.stderr, leave=False):

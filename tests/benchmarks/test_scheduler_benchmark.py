@@ -32,7 +32,7 @@ def test_part_timer_takes_inner_parts_out_of_outer_ones():
 def test_a_small_run_reports_both_loops(tmp_path, capsys):
     out = tmp_path / "out.json"
     scheduler.main(["--num-requests", "8", "--steps", "5", "--repeats", "2", "--decoded-tokens", "3",
-                    "--prompt-len", "8", "--device-ms", "2", "--json", str(out)])
+                    "--prompt-len", "8", "--device-ms", "2", "--no-settle-heap", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["us_per_step"] > 0 and len(result["us_per_step_blocks"]) == 2
     assert set(result["breakdown_us_per_step"]) == set(scheduler.PARTS)
