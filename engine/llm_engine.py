@@ -253,9 +253,22 @@ class LLMEngine:
                         self._num_output_lengths += 1
                 self.num_finished_requests += 1
             outputs.append(output)
+        if not children_of and self._in_flight is None:
+            self._release_runner_state()
         if record is not None:
             listener(dataclasses.replace(record, duration_s=time.perf_counter() - started))
         return outputs
+
+    def _release_runner_state(self) -> None:
+        """Idle: what the runner keeps per request (penalty counts) for requests that ended goes now, not with
+        the next batch, which may be far off. On the device thread when there is one (it owns that state)."""
+        ended = self.scheduler.take_ended_with_state()
+        if ended:
+            forget = self.runner.sampler.penalties.forget
+            if self._device is None:
+                forget(ended)
+            else:
+                self._device.submit(forget, ended).result()  # idle: nothing to overlap with
 
     def _schedule_and_launch(self) -> "_Launched | None":
         """Schedule a batch and start computing it (at once, or on the device thread); None: nothing to run."""
@@ -273,6 +286,7 @@ class LLMEngine:
             # tokens before this one, the ones still in flight included
             num_output_tokens=[len(r.output_token_ids) + r.num_pending_tokens - 1 for r in sampled_rows],
             eos_token_ids=self.eos_token_ids,
+            requests=sampled_rows,
         )
         if self._device is None:
             return _Launched(batch, rows, None, self._timed_execute(batch, sampling))

@@ -206,6 +206,8 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput, sampling: SamplingBatch) -> RunnerOutput:
         if batch.swap_out or batch.swap_in:
             self.copy_blocks(batch.swap_out, batch.swap_in)
+        if batch.ended_ids:
+            self.sampler.penalties.forget(batch.ended_ids)
         arrays = self._prepare(batch)
         logits_index = torch.from_numpy(arrays.logits_index).to(self.device)
         input_ids = np.asarray(batch.input_token_ids, dtype=np.int64)

@@ -44,6 +44,11 @@ class RequestMaker:
             raise ValueError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        outside = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        outside += [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if outside:
+            name = "logit_bias" if outside[0] in dict(params.logit_bias) else "stop_token_ids"
+            raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")

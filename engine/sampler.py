@@ -7,10 +7,11 @@ exponential race (argmax of p / Exp(1) noise), which is a draw from p with one n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.penalties import Penalties
 from engine.sampling_params import SamplingParams
 
 # (token id, logprob, rank) of the sampled token, then the top-n as (token id, logprob)
@@ -25,15 +26,19 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     num_output_tokens: list[int]
     eos_token_ids: frozenset[int]
+    # the rows' requests (engine ``Request``s): penalties key their state by request id and read the prompt
+    requests: list = field(default_factory=list)
 
     @property
     def all_greedy_plain(self) -> bool:
-        return all(p.greedy and p.logprobs is None and (p.min_tokens == 0) for p in self.params)
+        return all(p.greedy and p.logprobs is None and p.min_tokens == 0 and not p.adjusts_logits
+                   for p in self.params)
 
 
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        self.penalties = Penalties()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
         # logits: [num_rows, vocab] float32
@@ -42,9 +47,15 @@ class Sampler:
         logits = logits.cpu() if logits.device.type != "cpu" else logits
         raw_logprobs = None
         if any(p.logprobs is not None for p in batch.params):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # the model's, before any adjustment (as vLLM's)
+        adjusted = [i for i, p in enumerate(batch.params) if p.adjusts_logits]
+        if adjusted:
+            ids = [r.request_id for r in batch.requests]
+            logits = self.penalties.apply(logits, adjusted, batch.params, ids, [r.prompt_token_ids for r in batch.requests])
         logits = self._mask_early_stops(logits, batch)
         token_ids = self._pick(logits, batch)
+        if adjusted:
+            self.penalties.record(adjusted, ids, token_ids)
         return token_ids, self._logprobs(raw_logprobs, token_ids, batch)
 
     @staticmethod

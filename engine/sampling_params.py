@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 # what is new (new_token_ids, new_text); "delta", only what is new since the previous output (no per-step copy
 # of a long output, and little to send across a process boundary); "final_only", one output when it is done.
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,15 @@ class SamplingParams:
     # Servers turn it off for their own default timeout, a safety net rather than the client's need.
     reject_unmeetable_deadline: bool = True
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
+    # Logit adjustments before sampling (``engine/penalties.py``). OpenAI's: presence_penalty is subtracted once
+    # from every token already generated, frequency_penalty once per time it was generated (both in [-2, 2]);
+    # logit_bias adds a bias in [-100, 100] to chosen token ids (+100 forces one, -100 forbids it).
+    # transformers' and vLLM's repetition_penalty: a token seen in the prompt or the output has its logit divided
+    # by it when positive, multiplied when negative (> 0; 1 is off).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples so params stay hashable.
@@ -51,7 +61,17 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
+        elif bias is None:
+            object.__setattr__(self, "logit_bias", ())
+        else:
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in bias))
         self._validate()
+        object.__setattr__(self, "logit_bias", tuple((token_id, float(bias)) for token_id, bias in self.logit_bias))
+        object.__setattr__(self, "_adjusts_logits", bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias))
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -97,6 +117,30 @@ class SamplingParams:
             raise bad("timeout_s", "must be > 0 or None")
         if self.output_kind not in OUTPUT_KINDS:
             raise bad("output_kind", f"must be one of {OUTPUT_KINDS}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise bad(name, "must be a number in [-2, 2]")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp <= 100.0:
+            raise bad("repetition_penalty", "must be a number in (0, 100]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for pair in self.logit_bias:
+            if (len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or pair[0] < 0
+                    or isinstance(pair[1], bool) or not isinstance(pair[1], (int, float))
+                    or not -100.0 <= pair[1] <= 100.0):
+                raise ValueError(f"logit_bias entries must map a token id >= 0 to a bias in [-100, 100], "
+                                 f"got {str(pair)[:40]}")
+        if self.max_tokens == 0 and (self.presence_penalty or self.frequency_penalty
+                                     or self.repetition_penalty != 1.0 or self.logit_bias):
+            raise ValueError("presence_penalty, frequency_penalty, repetition_penalty and logit_bias must be left "
+                             "at their defaults when max_tokens is 0 (no token is generated)")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change this request's logits before sampling."""
+        return self._adjusts_logits  # set once: the sampler asks for every row of every step
 
     @property
     def prefill_only(self) -> bool:

@@ -52,6 +52,7 @@ class Scheduler:
         self._num_with_prompt_work = 0  # requests here with Request.has_prompt_work (prompt outputs, or no generation)
         # aborted, timed out, or prefill-only and done (they end without producing a token) since the last drain
         self._ended_without_token: list[Request] = []
+        self._ended_with_state: list[str] = []  # ended, with state in the runner to drop (SchedulerOutput.ended_ids)
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache at admission
@@ -109,6 +110,8 @@ class Scheduler:
         if request.has_prompt_work:
             self._num_with_prompt_work -= 1
         self.requests.pop(request.request_id, None)
+        if request.params.adjusts_logits:
+            self._ended_with_state.append(request.request_id)
         if request.swapped_blocks is not None:  # ended while swapped out: its host copy is no longer needed
             self.swap_pool.free(request.swapped_blocks)
             request.swapped_blocks = None
@@ -120,6 +123,11 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv.free(request.request_id)
+
+    def take_ended_with_state(self) -> list[str]:
+        """Ids of the requests that ended since the last call and had state in the runner (penalties)."""
+        ended, self._ended_with_state = self._ended_with_state, []
+        return ended
 
     def drain_ended_without_token(self) -> list[Request]:
         ended, self._ended_without_token = self._ended_without_token, []
@@ -202,6 +210,8 @@ class Scheduler:
             add_table(tables[request.request_id])
         if self._num_with_prompt_work:
             self._add_prompt_rows(out, requests)
+        if self._ended_with_state and requests:
+            out.ended_ids = self.take_ended_with_state()
         if requests and (self._swap_out or self._swap_in):
             # Copies ride with a batch that has rows: only a forward could overwrite the blocks they read.
             out.swap_out, out.swap_in, self._swap_out, self._swap_in = self._swap_out, self._swap_in, [], []

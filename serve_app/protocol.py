@@ -3,8 +3,9 @@
 Completions take ``echo`` (the prompt before the text; with ``logprobs``, the prompt tokens' logprobs first)
 and ``max_tokens: 0`` with it (prompt scoring: nothing is generated). Embeddings take OpenAI's request.
 
-We accept OpenAI's parameters and vLLM's extensions (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``priority``) plus our own ``timeout`` (seconds). OpenAI parameters we do not
+We accept OpenAI's parameters (penalties and ``logit_bias`` included) and vLLM's extensions (``top_k``,
+``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``, ``repetition_penalty``) plus our own
+``timeout`` (seconds). OpenAI parameters we do not
 implement are accepted only at their neutral value, so a request never silently means something else.
 Unknown fields are rejected, as the OpenAI API does.
 """
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 MAX_N = 16
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on inputs per request
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
 class StreamOptions(BaseModel):
@@ -39,9 +41,9 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
     # vLLM's extensions
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -49,7 +51,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
-    repetition_penalty: float | None = None  # vLLM's clients send 1.0, its neutral value, on every request
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     # ours: a deadline in seconds covering queueing, prefill and decode
     timeout: float | None = Field(default=None, gt=0.0)
 
@@ -61,25 +63,18 @@ class _Sampling(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value):
-        if value not in (None, 0, 0.0):
-            raise ValueError("is not supported by this server (only 0)")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, value):
-        if value not in (None, 1, 1.0):
-            raise ValueError("is not supported by this server (only 1.0)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("is not supported by this server")
+    def _logit_bias(cls, value):
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
         return value
 
     def include_usage(self) -> bool:
@@ -101,6 +96,10 @@ class _Sampling(BaseModel):
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
         }
 
 

@@ -58,14 +58,16 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, dtype: torch.dtype = t
     return path
 
 
-def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32) -> list[int]:
-    """transformers' own greedy generate, one request at a time (no padding), eos ignored."""
+def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32,
+              **generation: float) -> list[int]:
+    """transformers' own greedy generate, one request at a time (no padding), eos ignored; ``generation``: more
+    ``GenerationConfig`` settings (``repetition_penalty``)."""
     import transformers
 
     model = hf_model(path, dtype)
     # eos_token_id=[] (not None): None falls back to the checkpoint's generation_config and stops at eos.
     config = transformers.GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
-                                           eos_token_id=[], pad_token_id=0)
+                                           eos_token_id=[], pad_token_id=0, **generation)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
     tokens = out[0, len(prompt_ids):].tolist()

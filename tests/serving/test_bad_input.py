@@ -86,8 +86,14 @@ BAD_REQUESTS = [
     ("echo-max-tokens-0-chat", CHAT, chat(echo=True, max_tokens=0), None),
     ("suffix", C, comp(suffix="tail"), None),
     ("best-of", C, comp(best_of=3), None),
-    ("logit-bias", C, comp(logit_bias={"5": 10}), "logit_bias"),
-    ("presence-penalty", CHAT, chat(presence_penalty=0.5), "presence_penalty"),
+    ("logit-bias-over-100", C, comp(logit_bias={"5": 101}), "logit_bias"),
+    ("logit-bias-not-a-token-id", C, comp(logit_bias={"five": 1}), "logit_bias"),
+    ("logit-bias-outside-the-vocabulary", C, comp(logit_bias={"100000": 1}), "logit_bias"),
+    ("logit-bias-outside-the-vocabulary-stream", CHAT, chat(logit_bias={"100000": 1}, stream=True), "logit_bias"),
+    ("logit-bias-301-entries", C, comp(logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
+    ("presence-penalty-over-2", CHAT, chat(presence_penalty=2.5), "presence_penalty"),
+    ("frequency-penalty-string", C, comp(frequency_penalty="a lot"), "frequency_penalty"),
+    ("repetition-penalty-0", C, comp(repetition_penalty=0), "repetition_penalty"),
     ("stream-several-prompts", C, comp(prompt=["a", "b"], stream=True), "prompt"),
 ]
 

@@ -1,4 +1,4 @@
-"""vLLM's /tokenize and /detokenize, and the neutral repetition_penalty its benchmark client always sends."""
+"""vLLM's /tokenize and /detokenize, and the sampling parameters its benchmark client and OpenAI's clients send."""
 
 from __future__ import annotations
 
@@ -54,9 +54,16 @@ def test_bad_tokenize_requests_get_4xx_with_a_message(client, path, body, status
         assert param in (error["param"] or "")
 
 
-def test_repetition_penalty_is_accepted_at_its_neutral_value_only(client):
+def test_penalties_and_logit_bias_work_over_http(client):
+    """vLLM's client sends repetition_penalty 1.0 on every request; other values, OpenAI's penalties and
+    logit_bias are served too: a +100 bias on token 97 makes every token that one."""
     neutral = client.post("/v1/completions", json=completion_body(repetition_penalty=1.0, logprobs=None))
     assert neutral.status_code == 200, neutral.text
-    other = client.post("/v1/completions", json=completion_body(repetition_penalty=1.3))
-    assert other.status_code == 400
-    assert other.json()["error"]["param"] == "repetition_penalty"
+    penalised = client.post("/v1/completions", json=completion_body(repetition_penalty=1.3, presence_penalty=0.5,
+                                                                    frequency_penalty=-0.5, logprobs=None))
+    assert penalised.status_code == 200, penalised.text
+    forced = client.post("/v1/completions", json=completion_body(logit_bias={"97": 100}, max_tokens=6,
+                                                                 temperature=1.0, logprobs=None, ignore_eos=True))
+    assert forced.status_code == 200, forced.text
+    piece = client.post("/detokenize", json={"model": MODEL, "tokens": [97]}).json()["prompt"]
+    assert forced.json()["choices"][0]["text"] == piece * 6
