@@ -6,8 +6,9 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, DeadlineUnmeetableError, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import PoolingParams, SamplingParams
+from engine.structured_output import StructuredOutput
 
 __all__ = [
     "LLM", "LLMEngine", "AsyncLLMEngine", "EngineDeadError", "EngineConfig", "SamplingParams", "PoolingParams",
-    "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "DeadlineUnmeetableError",
+    "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "DeadlineUnmeetableError", "StructuredOutput",
 ]

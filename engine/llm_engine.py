@@ -264,7 +264,7 @@ class LLMEngine:
         the next batch, which may be far off. On the device thread when there is one (it owns that state)."""
         ended = self.scheduler.take_ended_with_state()
         if ended:
-            forget = self.runner.sampler.penalties.forget
+            forget = self.runner.sampler.forget
             if self._device is None:
                 forget(ended)
             else:

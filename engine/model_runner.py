@@ -20,6 +20,7 @@ from engine.models.cpu_packing import pack_linear_weights
 from engine.models.llama import CausalLM
 from engine.models.loader import ModelSource, build_model
 from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from engine.structured_output import GrammarCompiler
 from engine.scheduler_output import PrefillBatch, PromptRow, SchedulerOutput
 from kernels import BatchLayout, get_attention_backend
 from kernels.dense_prefill import DensePrefillMetadata
@@ -101,7 +102,8 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(source.config.num_layers)]
         self.scratch_slot = self.num_kv_blocks * self.block_size
-        self.sampler = Sampler(config.seed)
+        vocab_size = source.config.vocab_size
+        self.sampler = Sampler(config.seed, lambda: GrammarCompiler(source.tokenizer, vocab_size, source.eos_token_ids))
         # Host memory for preempted requests' KV (swapping), in the device cache's layout, block for block.
         self.num_swap_blocks = config.swap_space_bytes // self.kv_bytes_per_block
         host_shape = self.backend.kv_cache_shape(self.num_swap_blocks, self.block_size, source.config.num_kv_heads,
@@ -207,7 +209,7 @@ class ModelRunner:
         if batch.swap_out or batch.swap_in:
             self.copy_blocks(batch.swap_out, batch.swap_in)
         if batch.ended_ids:
-            self.sampler.penalties.forget(batch.ended_ids)
+            self.sampler.forget(batch.ended_ids)
         arrays = self._prepare(batch)
         logits_index = torch.from_numpy(arrays.logits_index).to(self.device)
         input_ids = np.asarray(batch.input_token_ids, dtype=np.int64)

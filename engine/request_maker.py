@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from engine.request import Request
 from engine.sampling_params import PoolingParams, SamplingParams
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 PromptInput = str | Sequence[int] | dict[str, Any]
@@ -29,6 +30,13 @@ class RequestMaker:
         self.max_model_len = max_model_len
         self._max_model_len_note = max_model_len_note
         self._sequence_ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None
+
+    def _grammars(self) -> GrammarCompiler:
+        """The grammar compiler, made when a structured output first needs it (it caches what it compiled)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
 
     def make_requests(self, request_id: str, prompt: PromptInput,
                       params: SamplingParams | PoolingParams | None = None, priority: int = 0,
@@ -49,6 +57,8 @@ class RequestMaker:
         if outside:
             name = "logit_bias" if outside[0] in dict(params.logit_bias) else "stop_token_ids"
             raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_output is not None:
+            self._grammars().compile(params.structured_output)  # a constraint that does not compile is a 400
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")

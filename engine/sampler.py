@@ -8,11 +8,13 @@ exponential race (argmax of p / Exp(1) noise), which is a draw from p with one n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from engine.penalties import Penalties
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Constraints, GrammarCompiler
 
 # (token id, logprob, rank) of the sampled token, then the top-n as (token id, logprob)
 TokenLogprobs = tuple[tuple[int, float, int], list[tuple[int, float]]]
@@ -36,9 +38,16 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, grammar_compiler: Callable[[], GrammarCompiler] | None = None) -> None:
+        """``grammar_compiler`` makes the model's grammar compiler when a structured output first needs it."""
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
         self.penalties = Penalties()
+        self.constraints = Constraints(grammar_compiler or _no_grammar_compiler)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that ended: the state kept for them (penalty counts, grammar matchers) goes."""
+        self.penalties.forget(request_ids)
+        self.constraints.forget(request_ids)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
         # logits: [num_rows, vocab] float32
@@ -50,12 +59,21 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # the model's, before any adjustment (as vLLM's)
         adjusted = [i for i, p in enumerate(batch.params) if p.adjusts_logits]
         if adjusted:
-            ids = [r.request_id for r in batch.requests]
-            logits = self.penalties.apply(logits, adjusted, batch.params, ids, [r.prompt_token_ids for r in batch.requests])
+            params, ids = batch.params, [r.request_id for r in batch.requests]
+            penalised = [i for i in adjusted if _penalised(params[i])]
+            constrained = [i for i in adjusted if params[i].structured_output is not None]
+            if penalised:
+                logits = self.penalties.apply(logits, penalised, params, ids,
+                                              [r.prompt_token_ids for r in batch.requests])
+            if constrained:
+                logits = self.constraints.mask(logits, constrained, [p.structured_output for p in params], ids)
         logits = self._mask_early_stops(logits, batch)
         token_ids = self._pick(logits, batch)
         if adjusted:
-            self.penalties.record(adjusted, ids, token_ids)
+            if penalised:
+                self.penalties.record(penalised, ids, token_ids)
+            if constrained:
+                self.constraints.accept(constrained, ids, token_ids)
         return token_ids, self._logprobs(raw_logprobs, token_ids, batch)
 
     @staticmethod
@@ -115,6 +133,15 @@ class Sampler:
                 top = list(zip(ids.tolist(), values.tolist()))
             result[i] = ((token_ids[i], chosen, rank), top)
         return result
+
+
+def _penalised(params: SamplingParams) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+                or params.logit_bias)
+
+
+def _no_grammar_compiler() -> GrammarCompiler:
+    raise ValueError("structured_outputs: this engine has no tokenizer to compile grammars for")
 
 
 def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from engine.structured_output import StructuredOutput
+
 # What each RequestOutput of a request carries (vLLM's RequestOutputKind): "cumulative", everything so far plus
 # what is new (new_token_ids, new_text); "delta", only what is new since the previous output (no per-step copy
 # of a long output, and little to send across a process boundary); "final_only", one output when it is done.
@@ -49,6 +51,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted
+    # What the output must match (a JSON schema, any JSON object, a regex, a choice, a grammar): see
+    # engine/structured_output.py. Checked (compiled) when the request is made.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples so params stay hashable.
@@ -61,6 +66,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.structured_output, dict):  # {"kind": ..., "spec": ...}, as it crosses from a server
+            object.__setattr__(self, "structured_output", StructuredOutput(**self.structured_output))
         bias = self.logit_bias
         if isinstance(bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
@@ -71,7 +78,8 @@ class SamplingParams:
         self._validate()
         object.__setattr__(self, "logit_bias", tuple((token_id, float(bias)) for token_id, bias in self.logit_bias))
         object.__setattr__(self, "_adjusts_logits", bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias))
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            or self.structured_output is not None))
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -136,10 +144,16 @@ class SamplingParams:
                                      or self.repetition_penalty != 1.0 or self.logit_bias):
             raise ValueError("presence_penalty, frequency_penalty, repetition_penalty and logit_bias must be left "
                              "at their defaults when max_tokens is 0 (no token is generated)")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise bad("structured_output", "must be a StructuredOutput or None")
+            if self.max_tokens == 0:
+                raise bad("structured_output", "must be None when max_tokens is 0 (no token is generated)")
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties or a logit bias change this request's logits before sampling."""
+        """Penalties, a logit bias or a structured output change this request's logits before sampling (and the
+        runner keeps state for it: token counts, a grammar matcher)."""
         return self._adjusts_logits  # set once: the sampler asks for every row of every step
 
     @property

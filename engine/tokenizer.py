@@ -60,6 +60,11 @@ class Tokenizer:
                    bos_token=_token_text(config.get("bos_token")), eos_token=_token_text(config.get("eos_token")))
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers`` object itself (structured outputs read its vocabulary and decoder)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 

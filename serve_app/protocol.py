@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 MAX_N = 16
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on inputs per request
@@ -52,6 +52,14 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     priority: int = 0
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    # What the output must match: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _constraint: dict[str, Any] | None = PrivateAttr(default=None)  # the one of them given, for the engine
     # ours: a deadline in seconds covering queueing, prefill and decode
     timeout: float | None = Field(default=None, gt=0.0)
 
@@ -77,6 +85,15 @@ class _Sampling(BaseModel):
                 raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
         return value
 
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        found = [c for c in (_from_response_format(self.response_format), _from_structured_outputs(self.structured_outputs),
+                             _from_guided(self)) if c is not None]
+        if len(found) > 1:
+            raise ValueError("only one of response_format, structured_outputs and guided_* may constrain the output")
+        self._constraint = found[0] if found else None
+        return self
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -100,7 +117,55 @@ class _Sampling(BaseModel):
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
+            "structured_output": self._constraint,
         }
+
+
+def _from_response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as the engine's structured output ({"kind", "spec"}), or None for text."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"kind": "json_object", "spec": None}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format: json_schema needs {\"name\": ..., \"schema\": {...}}")
+        return {"kind": "json", "spec": schema}
+    raise ValueError(f"response_format: type must be text, json_object or json_schema, got {str(kind)[:40]!r}")
+
+
+STRUCTURED_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _from_structured_outputs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar, or json_object: true."""
+    if not value:
+        return None
+    if value.get("json_object") is True and len(value) == 1:
+        return {"kind": "json_object", "spec": None}
+    keys = [k for k in value if value[k] is not None]
+    if len(keys) != 1 or keys[0] not in STRUCTURED_KINDS:
+        raise ValueError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED_KINDS)} (or json_object: "
+                         f"true), got {', '.join(k[:20] for k in keys) or 'none'}")
+    return {"kind": STRUCTURED_KINDS[keys[0]], "spec": value[keys[0]]}
+
+
+def _from_guided(request: "_Sampling") -> dict[str, Any] | None:
+    """vLLM's older names: guided_json, guided_regex, guided_choice, guided_grammar."""
+    given = {kind: getattr(request, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
+    given = {kind: spec for kind, spec in given.items() if spec is not None}
+    if len(given) > 1:
+        raise ValueError(f"give one of guided_json, guided_regex, guided_choice, guided_grammar, not "
+                         f"{', '.join('guided_' + k for k in given)}")
+    if not given:
+        return None
+    [(kind, spec)] = given.items()
+    return {"kind": kind, "spec": spec}
 
 
 class CompletionRequest(_Sampling):
@@ -174,7 +239,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -185,8 +249,6 @@ class ChatCompletionRequest(_Sampling):
     def _unsupported(self):
         if self.tools:
             raise ValueError("tools are not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self

@@ -81,7 +81,7 @@ BAD_REQUESTS = [
     ("chat-plus-max-tokens-over-max-model-len", CHAT,
      chat(messages=[{"role": "user", "content": "a" * 1000}], max_tokens=1500), None),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), None),
-    ("response-format-json", CHAT, chat(response_format={"type": "json_object"}), None),
+    ("response-format-yaml", CHAT, chat(response_format={"type": "yaml"}), None),
     ("echo-max-tokens-0-n2", C, comp(echo=True, max_tokens=0, n=2), "n"),
     ("echo-max-tokens-0-chat", CHAT, chat(echo=True, max_tokens=0), None),
     ("suffix", C, comp(suffix="tail"), None),
