@@ -92,10 +92,12 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """A conversation as the engine's prompt: the template's text and its token ids. The template writes
-        the special tokens (bos) itself, so encoding does not add them again."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        the special tokens (bos) itself, so encoding does not add them again; ``tools`` (OpenAI's shape) go to
+        templates that render them."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
 

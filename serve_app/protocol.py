@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from serve_app.tools import Tool, ToolChoice, check_tools, forced_constraint, read_calls
+
 MAX_N = 16
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on inputs per request
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
@@ -237,8 +239,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -247,8 +249,13 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
+        check_tools(self.tools, self.tool_choice)
+        forced = forced_constraint(self.tools or [], self.tool_choice, self.parallel_tool_calls is not False)
+        if forced is not None:
+            if self._constraint is not None:
+                raise ValueError("tool_choice 'required' or a named function cannot be combined with response_format, "
+                                 "structured_outputs or guided_* (it constrains the output itself)")
+            self._constraint = forced
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
@@ -256,8 +263,23 @@ class ChatCompletionRequest(_Sampling):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def plain_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them: role and text, and an assistant's ``tool_calls``, a tool
+        result's ``tool_call_id`` and ``name`` where given."""
+        return [{"role": m.role, "content": m.text(),
+                 **{k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k, None)) is not None}}
+                for m in self.messages]
+
+    def reads_tool_calls(self) -> bool:
+        """Whether the generated text is read for tool calls (then it is not streamed as it comes)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_reader(self):
+        """text -> (content, tool calls), or None when no tools apply."""
+        if not self.reads_tool_calls():
+            return None
+        tools, choice = self.tools, self.tool_choice
+        return lambda text: read_calls(text, tools, choice)
 
 
 class EmbeddingRequest(BaseModel):

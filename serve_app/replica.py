@@ -164,7 +164,8 @@ class LLMReplica:
         if "prompt_token_ids" in request:  # the router tokenized it (prefix affinity hashes the ids)
             return {"prompt": request.get("prompt_text"), "prompt_token_ids": request["prompt_token_ids"]}
         if request["kind"] == "chat":
-            return self.engine.tokenizer.chat_prompt(request["messages"], request.get("add_generation_prompt", True))
+            return self.engine.tokenizer.chat_prompt(request["messages"], request.get("add_generation_prompt", True),
+                                                     request.get("tools"))
         return request["prompt"]
 
     def _chunk(self, output: RequestOutput, num_top: int, echo: _Echo | None = None) -> dict[str, Any]:

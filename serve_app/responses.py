@@ -10,9 +10,9 @@ import base64
 import json
 import struct
 import time
-from typing import Any
+from typing import Any, Callable
 
-FINISH_REASONS = {"stop": "stop", "length": "length"}  # "abort"/"timeout" never reach a 200 body
+FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}  # "abort"/"timeout" never reach a 200 body
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -71,13 +71,21 @@ def completion_response(request_id: str, model: str, choices: list[ChoiceState],
 
 
 def chat_response(request_id: str, model: str, choices: list[ChoiceState], prompt_tokens: int,
-                  with_logprobs: bool) -> dict[str, Any]:
+                  with_logprobs: bool, tool_reader: Callable[[str], tuple[str | None, list]] | None = None
+                  ) -> dict[str, Any]:
+    """``tool_reader``: text -> (content, tool calls), when the request declared tools (serve_app.tools)."""
+    def message_and_reason(c: ChoiceState) -> tuple[dict[str, Any], str]:
+        content, calls = tool_reader(c.text) if tool_reader is not None else (c.text, [])
+        message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
+        if calls:
+            return {**message, "tool_calls": calls}, "tool_calls"
+        return message, FINISH_REASONS.get(c.finish_reason, "stop")
+
+    answers = [(c, *message_and_reason(c)) for c in choices]
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": c.index,
-                     "message": {"role": "assistant", "content": c.text, "refusal": None, "annotations": []},
-                     "finish_reason": FINISH_REASONS.get(c.finish_reason, "stop"),
-                     "logprobs": chat_logprobs(c.logprobs) if with_logprobs else None} for c in choices],
+        "choices": [{"index": c.index, "message": message, "finish_reason": reason,
+                     "logprobs": chat_logprobs(c.logprobs) if with_logprobs else None} for c, message, reason in answers],
         "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices)),
     }
 

@@ -37,6 +37,7 @@ from serve_app.errors import (APIError, BadRequestError, ModelNotFoundError, Ove
                               ServerError, ServiceUnavailableError)
 from serve_app.metrics import RouterMetrics
 from engine.models.loader import read_model_source
+from serve_app.tools import template_tools
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                TokenizeRequest)
 
@@ -266,12 +267,13 @@ class Router:
                 raise BadRequestError(str(e), param="messages") from None
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             params = body.sampling_kwargs(body.max_new_tokens(), logprobs)
+            tools = template_tools(body.tools)
             payload = {"kind": "chat", "request_id": base_id, "messages": messages, "params": params,
                        "priority": body.priority, "client_timeout": body.timeout is not None,
-                       "add_generation_prompt": body.add_generation_prompt}
+                       "add_generation_prompt": body.add_generation_prompt, "tools": tools}
             if self.tokenizer is not None:
                 try:
-                    prompt = self.tokenizer.chat_prompt(messages, body.add_generation_prompt)
+                    prompt = self.tokenizer.chat_prompt(messages, body.add_generation_prompt, tools)
                 except ValueError as e:
                     raise BadRequestError(str(e), param="messages") from None
                 payload.update(prompt_text=prompt["prompt"], prompt_token_ids=prompt["prompt_token_ids"])
@@ -403,7 +405,8 @@ class Router:
                 choices.append(state)
         request_id = payloads[0]["request_id"]
         if kind == "chat":
-            return R.chat_response(request_id, self.model_name, choices, prompt_tokens, body.logprobs)
+            return R.chat_response(request_id, self.model_name, choices, prompt_tokens, body.logprobs,
+                                   body.tool_reader())
         return R.completion_response(request_id, self.model_name, choices, prompt_tokens, body.logprobs is not None)
 
     async def _collect(self, payload: dict[str, Any], n: int, deadline: float) -> tuple[list[R.ChoiceState], int]:
@@ -444,6 +447,9 @@ class Router:
         model = self.model_name
         completion_tokens = 0
         text_offsets = [0] * body.n
+        # Declared tools: the text is read for calls once a choice ends, so it is held back until then.
+        tool_reader = body.tool_reader() if kind == "chat" else None
+        held_text = [""] * body.n
         try:
             if kind == "chat":
                 for i in range(body.n):
@@ -459,7 +465,16 @@ class Router:
                         raise ServiceUnavailableError("request was aborted by the engine")
                     if not choice["text"] and not reason and not choice.get("logprobs"):
                         continue
-                    if kind == "chat":
+                    if kind == "chat" and tool_reader is not None:
+                        held_text[choice["index"]] += choice["text"]
+                        if reason:
+                            content, calls = tool_reader(held_text[choice["index"]])
+                            delta = ({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls
+                                     else {"content": content or ""})
+                            yield R.sse(R.chat_chunk(request_id, model, created, choice["index"], delta, None, None))
+                            yield R.sse(R.chat_chunk(request_id, model, created, choice["index"], {},
+                                                     "tool_calls" if calls else reason, None))
+                    elif kind == "chat":
                         delta = {"content": choice["text"]} if choice["text"] or not reason else {}
                         logprobs = choice.get("logprobs") if body.logprobs else None
                         yield R.sse(R.chat_chunk(request_id, model, created, choice["index"], delta, reason, logprobs))

@@ -80,7 +80,7 @@ BAD_REQUESTS = [
     ("chat-over-max-model-len", CHAT, chat(messages=[{"role": "user", "content": "a" * 3000}]), None),
     ("chat-plus-max-tokens-over-max-model-len", CHAT,
      chat(messages=[{"role": "user", "content": "a" * 1000}], max_tokens=1500), None),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), None),
+    ("tools-of-another-type", CHAT, chat(tools=[{"type": "custom", "custom": {"name": "f"}}]), None),
     ("response-format-yaml", CHAT, chat(response_format={"type": "yaml"}), None),
     ("echo-max-tokens-0-n2", C, comp(echo=True, max_tokens=0, n=2), "n"),
     ("echo-max-tokens-0-chat", CHAT, chat(echo=True, max_tokens=0), None),
