@@ -37,6 +37,7 @@ import torch
 
 from benchmarks import prefill_only
 from benchmarks.arrivals import arrival_times
+from benchmarks import structured
 from benchmarks.engine_run import EngineRun, run_engine
 from benchmarks.hf_baselines import BASELINES, BaselineRun, quiet_transformers, run_hf_cb, run_hf_static
 from benchmarks.metrics import TokenWaste, summarize, useful_computed_tokens
@@ -79,7 +80,7 @@ class SystemResult:
 
     def summary(self) -> dict[str, Any]:
         if self.engine_run is not None:
-            return {"system": self.system, **self.engine_run.summary()}
+            return {"system": self.system, **self.engine_run.summary(), **self.extra}
         waste = self.waste
         return {"system": self.system, "tokens_per_s": self.tokens_per_s, "span_s": self.span_s,
                 "useful_tokens": self.useful_tokens, "latency_s": summarize(self.latencies_s),
@@ -105,6 +106,12 @@ def run_system(system: str, model_path: str, requests, arrivals, args) -> System
     if system in MODES:
         run = run_engine(make_engine(model_path, system, args), requests, arrivals, desc=system)
         return from_engine_run(system, run)
+    if system.startswith("structured-"):
+        mixed = structured.with_structured_fraction(requests, structured.fraction_of(system))
+        engine = make_engine(model_path, "continuous", args)
+        result = from_engine_run(system, run_engine(engine, mixed, arrivals, desc=system))
+        result.extra.update(structured.cached_schema_ttft_ms(engine, requests[0].prompt_token_ids))
+        return result
     if system in prefill_only.SYSTEMS:
         engine = make_engine(model_path, "continuous", args, prefill_lane=system == "lane")
         started = time.perf_counter()
@@ -164,6 +171,14 @@ def print_report(results: dict[str, SystemResult], runs: dict[str, list[SystemRe
     if args.repeats > 1:
         print("tokens/s of each repeat: " + "; ".join(
             f"{s} {', '.join(f'{r.tokens_per_s:.0f}' for r in rs)}" for s, rs in runs.items()))
+    structured_rows = [(s, r) for s, r in results.items() if s.startswith("structured-")]
+    if structured_rows:
+        base = results.get(structured.system_name(0.0))
+        print_table("structured outputs: a share of the requests under a JSON schema (benchmarks.structured)",
+                    ["fraction", "useful tok/s", "vs unconstrained", "TTFT, cached schema - plain (ms)"],
+                    [[f"{structured.fraction_of(s):g}", r.tokens_per_s,
+                      f"{r.tokens_per_s / base.tokens_per_s:.3f}" if base else "-",
+                      f"{r.extra['cached_schema_ttft_ms']:.2f}"] for s, r in structured_rows])
     if ratio_rows:
         print_table("ratios of useful tokens/s (targets from the engine issue)",
                     ["ratio", "value", "target", "result"],
@@ -229,6 +244,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
                         help="runs of every system, interleaved; each system's median run is reported")
     parser.add_argument("--rate", type=float, metavar="REQ_PER_S",
                         help="a named workload's requests arrive as a Poisson process at this rate (default: all at 0)")
+    parser.add_argument("--structured-fraction", metavar="F[,F...]",
+                        help="instead of --batching: continuous runs with these fractions of the requests under a JSON "
+                             "schema (benchmarks.structured), e.g. 0,0.2,1.0")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--plot", metavar="PATH.png", help="also draw throughput, latency CDF and KV utilisation")
     args = parser.parse_args(argv)
@@ -240,6 +258,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     args.systems = [m for m in MODES if m in modes] + baselines
     if not args.systems:
         parser.error("--batching none with --baselines none leaves nothing to run")
+    if args.structured_fraction:
+        try:
+            fractions = [float(f) for f in args.structured_fraction.split(",") if f.strip()]
+        except ValueError:
+            parser.error(f"--structured-fraction: numbers in [0, 1], got {args.structured_fraction!r}")
+        if not fractions or any(not 0.0 <= f <= 1.0 for f in fractions):
+            parser.error(f"--structured-fraction: numbers in [0, 1], got {args.structured_fraction!r}")
+        if baselines:
+            parser.error("--structured-fraction compares our engine with itself; no baseline runs it")
+        args.systems = [structured.system_name(f) for f in fractions]
     requests, arrivals, name = workload_from_args(parser, args)
     if args.rate is not None:
         if args.trace:

@@ -101,7 +101,7 @@ def build_tokenizer():
 
 
 # -- workloads ------------------------------------------------------------------------------------
-RequestKind = Literal["generate", "score", "embed"]
+RequestKind = Literal["generate", "score", "embed", "structured"]  # structured: generate under benchmarks.structured.SCHEMA
 PROMPT_LOGPROBS = 1  # what a scoring request asks for: each prompt token's logprob and the top alternative
 
 
@@ -243,6 +243,11 @@ def request_params(request: BenchRequest):
         return SamplingParams(max_tokens=0, prompt_logprobs=PROMPT_LOGPROBS)
     if request.kind == "embed":
         return PoolingParams()
+    if request.kind == "structured":
+        from benchmarks.structured import SCHEMA
+        from engine import StructuredOutput
+
+        return sampling_params(request.max_tokens).replace(structured_output=StructuredOutput("json", SCHEMA))
     return sampling_params(request.max_tokens)
 
 
