@@ -20,6 +20,7 @@ class RouterConfig(BaseModel):
     max_pending_requests: int = Field(default=256, ge=1)  # in flight through one router; more get 429
     default_timeout_s: float = Field(default=120.0, gt=0)  # deadline when a request brings no `timeout`
     max_attempts: int = Field(default=3, ge=1)  # tries of a request whose replica died before it started
+    api_keys_file: str | None = None  # serve_app.gate: one "tenant key" a line (and INFLIGHT_API_KEYS)
 
 
 class AppConfig(BaseModel):
@@ -56,6 +57,18 @@ class AppConfig(BaseModel):
     # one process here that is compute-bound, and a core it shares with the proxy, router and Ray's processes
     # slows every step. `scripts/serve.sh` (make run) starts Ray on the other CPUs (serve_app.cpu_plan).
     engine_cpus: str | None = None
+    # API keys: a file of "tenant key" lines (on Kubernetes a mounted Secret), read by each router, plus the
+    # INFLIGHT_API_KEYS environment variable; none of either: an open server. Never the keys themselves here.
+    api_keys_file: str | None = None
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _api_keys_readable(cls, value: str | None) -> str | None:
+        if value is not None:
+            from serve_app.gate import load_api_keys
+
+            load_api_keys(value, environ={})  # a missing or malformed file fails here, before anything starts
+        return value
 
     @field_validator("engine_args")
     @classmethod
@@ -90,7 +103,8 @@ class AppConfig(BaseModel):
     def router_config(self) -> RouterConfig:
         return RouterConfig(served_model_name=self.model_name, model=self.model, routing_policy=self.routing_policy,
                             max_pending_requests=self.max_pending_requests,
-                            default_timeout_s=self.default_timeout_s, max_attempts=self.max_attempts)
+                            default_timeout_s=self.default_timeout_s, max_attempts=self.max_attempts,
+                            api_keys_file=self.api_keys_file)
 
 
 def with_llm_policy(autoscaling_config: dict[str, Any]) -> dict[str, Any]:

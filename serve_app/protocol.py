@@ -21,6 +21,10 @@ from serve_app.tools import Tool, ToolChoice, check_tools, forced_constraint, re
 MAX_N = 16
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on inputs per request
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1000  # a stop list is searched at every token: bounded
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES, MAX_CONTENT_PARTS = 2048, 256
+MAX_TIMEOUT_S = 24 * 3600.0
 
 
 class StreamOptions(BaseModel):
@@ -51,8 +55,8 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     # What the output must match: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*.
     response_format: dict[str, Any] | None = None
@@ -63,7 +67,7 @@ class _Sampling(BaseModel):
     guided_grammar: str | None = None
     _constraint: dict[str, Any] | None = PrivateAttr(default=None)  # the one of them given, for the engine
     # ours: a deadline in seconds covering queueing, prefill and decode
-    timeout: float | None = Field(default=None, gt=0.0)
+    timeout: float | None = Field(default=None, gt=0.0, le=MAX_TIMEOUT_S)
 
     @field_validator("stop")
     @classmethod
@@ -71,6 +75,10 @@ class _Sampling(BaseModel):
         stops = [value] if isinstance(value, str) else (value or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters long")
         return value
 
     @field_validator("logit_bias")
@@ -216,7 +224,14 @@ class CompletionRequest(_Sampling):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = Field(default=None)
+
+    @field_validator("content")
+    @classmethod
+    def _bounded_parts(cls, value):
+        if isinstance(value, list) and len(value) > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts per message, got {len(value)}")
+        return value
     name: str | None = None
 
     def text(self) -> str:
@@ -234,7 +249,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -294,7 +309,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None
     user: str | None = None
     # ours: a deadline in seconds covering queueing and the forward
-    timeout: float | None = Field(default=None, gt=0.0)
+    timeout: float | None = Field(default=None, gt=0.0, le=MAX_TIMEOUT_S)
 
     @field_validator("input")
     @classmethod

@@ -37,6 +37,7 @@ from serve_app.errors import (APIError, BadRequestError, ModelNotFoundError, Ove
                               ServerError, ServiceUnavailableError)
 from serve_app.metrics import RouterMetrics
 from engine.models.loader import read_model_source
+from serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
 from serve_app.tools import template_tools
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                TokenizeRequest)
@@ -47,6 +48,7 @@ REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 DEADLINE_GRACE_S = 2.0  # the engine ends a late request itself; the router steps in only after this
 
 api = FastAPI(title="inflight", docs_url="/docs")
+api.add_middleware(Gate)  # header and body bounds, API keys: before any route (serve_app/gate.py)
 
 
 class ReplicaLost(Exception):
@@ -101,6 +103,12 @@ class Router:
         # the replica then takes the token ids as they are. The model's files must be readable here.
         self.tokenizer = (read_model_source(config.model).tokenizer if config.routing_policy == "prefix_affinity"
                           else None)
+        api.state.api_keys = load_api_keys(config.api_keys_file)
+        if api.state.api_keys.open:
+            logger.warning("no API keys configured (%s or api_keys_file): this server answers anyone who can "
+                           "reach it", API_KEYS_ENV)
+        else:
+            logger.info("API keys required: %d configured", len(api.state.api_keys.digests))
 
     # -- routes ------------------------------------------------------------------------------------
     @api.get("/health")

@@ -28,10 +28,11 @@ DEMO_APP_ARGS: dict[str, Any] = {
 
 
 def deploy_app(args: dict[str, Any], name: str, route_prefix: str, timeout: float = DEPLOY_TIMEOUT_S,
-               http_base: str = BASE_URL) -> str:
+               http_base: str = BASE_URL, headers: dict[str, str] | None = None) -> str:
     """Deploy ``make_app(AppConfig(**args))`` under ``name`` at ``route_prefix``; return its base URL once it answers.
 
-    ``http_base``: where Serve's proxy listens (the multi-node tests use a port of their own).
+    ``http_base``: where Serve's proxy listens (the multi-node tests use a port of their own); ``headers``: sent
+    with the readiness probe (an API key).
     """
     from ray import serve
 
@@ -55,7 +56,7 @@ def deploy_app(args: dict[str, Any], name: str, route_prefix: str, timeout: floa
     base_url = http_base + route_prefix.rstrip("/")
     while True:  # the proxy learns the new route a moment after the app is RUNNING
         try:
-            if httpx.get(base_url + "/v1/models", timeout=5.0).status_code == 200:
+            if httpx.get(base_url + "/v1/models", timeout=5.0, headers=headers).status_code == 200:
                 return base_url
         except httpx.HTTPError:
             pass

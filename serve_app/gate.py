@@ -1,0 +1,182 @@
+"""The router's gate: what every HTTP request passes before any route sees it (an ASGI middleware).
+
+In this order, on the raw request, so no path spelling gets around it (``//v1/completions``,
+``/v1/./completions``, ``/v1/%63ompletions``, a trailing slash, another method: everything but exactly
+``GET <root>/health`` needs a key):
+
+1. headers over ``MAX_HEADER_BYTES`` (names and values together): 431;
+2. with API keys configured, ``Authorization: Bearer <key>``: the key's SHA-256 is compared with every
+   configured key's (``hmac.compare_digest``, all of them, no early exit); no match: 401 ``invalid_api_key``.
+   The key's tenant goes into the request's scope state (``tenant``). Without keys the server is open (it
+   says so once at start);
+3. a body over ``MAX_BODY_BYTES``: 413, from ``Content-Length`` before anything is read, or as soon as a
+   chunked body passes the bound (the route never sees it).
+
+API keys come from ``INFLIGHT_API_KEYS="tenant-a:key-a,tenant-b:key-b"`` or a file (``api_keys_file`` in the
+app's arguments: one ``tenant key`` a line, ``#`` comments), never from the serve config itself; no key is
+ever logged or quoted in an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("ray.serve")
+
+API_KEYS_ENV = "INFLIGHT_API_KEYS"
+MAX_HEADER_BYTES = 32 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class APIKeys:
+    """Tenants by the SHA-256 digest of their keys (the keys themselves are not kept)."""
+
+    digests: tuple[tuple[bytes, str], ...] = ()
+
+    @property
+    def open(self) -> bool:
+        return not self.digests
+
+    def tenant_of(self, key: str) -> str | None:
+        digest = hashlib.sha256(key.encode()).digest()
+        found = None
+        for known, tenant in self.digests:  # every key compared: the time does not say which one is close
+            if hmac.compare_digest(digest, known):
+                found = tenant
+        return found
+
+
+def load_api_keys(api_keys_file: str | None = None, environ: dict[str, str] | None = None) -> APIKeys:
+    """The keys of ``INFLIGHT_API_KEYS`` and of ``api_keys_file``; a malformed entry is a ValueError that names
+    its place, never its text."""
+    environ = os.environ if environ is None else environ
+    pairs: list[tuple[str, str]] = []
+    for i, entry in enumerate(e for e in environ.get(API_KEYS_ENV, "").split(",") if e.strip()):
+        tenant, sep, key = entry.strip().partition(":")
+        if not sep or not tenant or not key:
+            raise ValueError(f"{API_KEYS_ENV}: entry {i + 1} is not tenant:key")
+        pairs.append((tenant, key))
+    if api_keys_file:
+        try:
+            lines = open(api_keys_file, encoding="utf-8").read().splitlines()
+        except OSError as e:
+            raise ValueError(f"api_keys_file: cannot read {api_keys_file}: {e.strerror}") from None
+        for number, line in enumerate(lines, start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise ValueError(f"api_keys_file: line {number} is not 'tenant key'")
+            pairs.append((parts[0], parts[1]))
+    if any(len(key) < 8 for _, key in pairs):
+        raise ValueError("API keys must be at least 8 characters long")
+    return APIKeys(tuple((hashlib.sha256(key.encode()).digest(), tenant) for tenant, key in pairs))
+
+
+def _error(status: int, message: str, error_type: str, code: str | None) -> tuple[int, bytes]:
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    return status, json.dumps(body).encode()
+
+
+UNAUTHORIZED = _error(401, "missing or invalid API key (send Authorization: Bearer <key>)", "invalid_request_error",
+                      "invalid_api_key")
+HEADERS_TOO_LARGE = _error(431, f"request headers are larger than {MAX_HEADER_BYTES} bytes",
+                           "invalid_request_error", "request_header_fields_too_large")
+BODY_TOO_LARGE = _error(413, f"request body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error",
+                        "request_too_large")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Gate:
+    """ASGI middleware: ``api.add_middleware(Gate)``. The keys are the app's ``state.api_keys`` (the router sets
+    them when it starts; none: open)."""
+
+    def __init__(self, app, max_header_bytes: int = MAX_HEADER_BYTES, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_header_bytes = max_header_bytes
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers") or []
+        if sum(len(name) + len(value) for name, value in headers) > self.max_header_bytes:
+            await _respond(send, *HEADERS_TOO_LARGE)
+            return
+        keys: APIKeys = getattr(scope["app"].state, "api_keys", None) or APIKeys()
+        if not keys.open and not _is_health(scope):
+            tenant = keys.tenant_of(_bearer(headers))
+            if tenant is None:
+                await _respond(send, *UNAUTHORIZED, extra_headers=[(b"www-authenticate", b"Bearer")])
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
+        length = _content_length(headers)
+        if length is not None and length > self.max_body_bytes:
+            await _respond(send, *BODY_TOO_LARGE)
+            return
+        received, started = 0, False
+
+        async def bounded_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _respond(send, *BODY_TOO_LARGE)
+
+
+def _is_health(scope: dict[str, Any]) -> bool:
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return scope.get("method") == "GET" and path == "/health"
+
+
+def _bearer(headers) -> str:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+def _content_length(headers) -> int | None:
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _respond(send, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *extra_headers]})
+    await send({"type": "http.response.body", "body": body})

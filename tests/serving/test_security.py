@@ -1,0 +1,113 @@
+"""The router's gate against a real server: API keys on every route but GET /health, whatever the path's
+spelling or the method; bounded headers and bodies (431, 413) before any route reads them; bounded stop lists
+and messages. A keyed app is deployed beside the open demo app, with two tenants' keys in a file."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.serving.apps import DEMO_APP_ARGS, delete_app, deploy_app
+from tests.serving.helpers import BASE_URL, MODEL, assert_error_body, wait_idle
+
+pytestmark = pytest.mark.timeout(180, func_only=True)
+
+KEYS = {"tenant-a": "key-a-0123456789", "tenant-b": "key-b-9876543210"}
+PREFIX = "/secure"
+COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def secure_app(ray_cluster, tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    args = {**DEMO_APP_ARGS, "num_cpus_per_replica": 0.5, "api_keys_file": str(keys_file)}
+    yield deploy_app(args, name="secure", route_prefix=PREFIX, headers=bearer(KEYS["tenant-a"]))
+    delete_app("secure")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_unauthorized(response: httpx.Response) -> None:
+    error = assert_error_body(response, 401, "invalid_request_error")
+    assert error["code"] == "invalid_api_key", error
+    assert all(k not in response.text for k in KEYS.values())
+
+
+# raw paths after the app's prefix: every spelling of a route, other methods, and near-misses of /health
+TRICKS = [("POST", "/v1/completions"), ("POST", "//v1/completions"), ("POST", "/v1/./completions"),
+          ("POST", "/v1/%63ompletions"), ("POST", "/v1/completions/"), ("GET", "/v1/completions"),
+          ("PUT", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/stats"),
+          ("POST", "/tokenize"), ("POST", "/v1/embeddings"), ("GET", "/docs"), ("GET", "/openapi.json"),
+          ("GET", "/health/"), ("POST", "/health"), ("GET", "/HEALTH"), ("GET", "/nothing-here")]
+
+
+@pytest.mark.parametrize("method, path", TRICKS, ids=[f"{m} {p}" for m, p in TRICKS])
+def test_every_route_but_health_needs_a_key(secure_app, method, path):
+    with httpx.Client(timeout=30.0) as client:
+        for headers in ({}, bearer("wrong-key-0000"), {"Authorization": f"Basic {KEYS['tenant-a']}"},
+                        {"Authorization": KEYS["tenant-a"]}):
+            request = client.build_request(method, BASE_URL + PREFIX + path, headers=headers, json=COMPLETION)
+            request.url = request.url.copy_with(raw_path=(PREFIX + path).encode())  # sent as written, not normalised
+            assert_unauthorized(client.send(request))
+
+
+def test_health_is_open_and_both_tenants_keys_work(secure_app):
+    assert httpx.get(secure_app + "/health", timeout=10.0).status_code == 200
+    for key in KEYS.values():
+        response = httpx.post(secure_app + "/v1/completions", json=COMPLETION, headers=bearer(key), timeout=60.0)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+    models = httpx.get(secure_app + "/v1/models", headers={"authorization": f"bearer {KEYS['tenant-b']}"},
+                       timeout=10.0)
+    assert models.status_code == 200  # the scheme and the header's name in any case
+
+
+def test_a_body_without_a_key_is_refused_before_it_is_read(secure_app):
+    response = httpx.post(secure_app + "/v1/completions", content=b"x" * (5 << 20), timeout=60.0)
+    assert_unauthorized(response)
+
+
+def test_oversized_bodies_are_413_and_headers_431(server, client):
+    big = json.dumps({**COMPLETION, "prompt": "a" * (5 << 20)}).encode()
+    error = assert_error_body(client.post("/v1/completions", content=big,
+                                          headers={"content-type": "application/json"}), 413)
+    assert "larger than" in error["message"]
+
+    def chunks():  # no Content-Length: the bound is counted as the body arrives
+        yield b'{"model": "demo-tiny", "prompt": "'
+        for _ in range(6):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    assert_error_body(client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}),
+                      413)
+    assert_error_body(client.post("/v1/completions", json=COMPLETION, headers={"x-padding": "p" * (40 << 10)}), 431)
+    assert client.get("/health").status_code == 200
+    assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+    wait_idle(server, timeout=10.0)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({**COMPLETION, "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({**COMPLETION, "stop": ["x" * 1001]}, "stop"),
+    ({**COMPLETION, "stop_token_ids": list(range(7, 72))}, "stop_token_ids"),
+    ({**COMPLETION, "timeout": 1e308 * 10}, "timeout"),
+    ({**COMPLETION, "priority": 2 ** 40}, "priority"),
+], ids=["17-stop-strings", "long-stop-string", "65-stop-token-ids", "infinite-timeout", "huge-priority"])
+def test_unbounded_parameters_are_400(client, body, param):
+    raw = json.dumps(body).encode()  # Infinity is sent as Python's json writes it
+    error = assert_error_body(client.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
+                              400, "invalid_request_error")
+    assert param in (error["param"] or ""), error
+
+
+def test_too_many_messages_or_content_parts_are_400(client):
+    many = [{"role": "user", "content": "hi"}] * 2049
+    assert_error_body(client.post("/v1/chat/completions", json={"model": MODEL, "messages": many}), 400)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]
+    assert_error_body(client.post("/v1/chat/completions", json={"model": MODEL, "messages": parts}), 400)
