@@ -6,11 +6,14 @@ their first ``(i + 1) * block_size`` tokens (up to hash collisions, which the bl
 comparing the key on a hit). Python's ``hash`` of a tuple of ints is the same in every process
 (``PYTHONHASHSEED`` salts only str and bytes), so a router can compute the hashes a replica's engine uses.
 The first block's parent is ``NO_PARENT``, an int: ``hash(None)`` is the object's address in
-CPython 3.11, different in every process. No torch here: the router imports it.
+CPython 3.11, different in every process. A request with a cache salt (``SamplingParams.cache_salt``; the
+server sets one per tenant) chains from ``salted_root(salt)`` instead, so requests with different salts
+never share a cached block, whatever their tokens. No torch here: the router imports it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's token ids)
@@ -22,13 +25,23 @@ def block_key(parent: int, token_ids: Sequence[int], index: int, block_size: int
     return parent, tuple(token_ids[index * block_size:(index + 1) * block_size])
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
-    """The chained hashes of the leading full blocks of ``token_ids`` (at most ``max_blocks`` of them)."""
+def salted_root(salt: str | None) -> int:
+    """The first block's parent for requests with this cache salt: the same in every process (not ``hash``
+    of a str, which PYTHONHASHSEED varies), never ``NO_PARENT`` for a salt."""
+    if salt is None:
+        return NO_PARENT
+    return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "big") | 1
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                 root: int = NO_PARENT) -> list[int]:
+    """The chained hashes of the leading full blocks of ``token_ids`` (at most ``max_blocks`` of them);
+    ``root``: the first block's parent (``salted_root``)."""
     num_blocks = len(token_ids) // block_size
     if max_blocks is not None:
         num_blocks = min(num_blocks, max_blocks)
     hashes: list[int] = []
-    parent = NO_PARENT
+    parent = root
     for index in range(num_blocks):
         parent = hash(block_key(parent, token_ids, index, block_size))
         hashes.append(parent)

@@ -172,14 +172,14 @@ class KVCacheManager:
             self.pool.free(table[::-1])
 
     # -- prefix caching ------------------------------------------------------------------------------------
-    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+    def match_prefix(self, request_id: str, token_ids: list[int], root: int = NO_PARENT) -> int:
         """Give a request with no blocks yet the cached blocks of its longest cached prefix; returns how
         many tokens they hold. At least one token is left to compute: its logits are needed, and no
         shared block is ever written to."""
         if not self.enable_prefix_caching or request_id in self.block_tables:
             return 0
         bs, pool = self.block_size, self.pool
-        hashes, blocks, parent = [], [], NO_PARENT
+        hashes, blocks, parent = [], [], root
         for index in range((len(token_ids) - 1) // bs):
             key = block_key(parent, token_ids, index, bs)
             block_hash = hash(key)
@@ -197,11 +197,13 @@ class KVCacheManager:
         self._block_hashes[request_id] = hashes
         return len(blocks) * bs
 
-    def cache_computed_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Register the request's blocks that became full and computed since the last call."""
+    def cache_computed_blocks(self, request_id: str, token_ids: list[int], num_computed: int,
+                              root: int = NO_PARENT) -> None:
+        """Register the request's blocks that became full and computed since the last call (``root``: the
+        first block's parent, ``block_hash.salted_root`` of the request's cache salt)."""
         hashes = self._block_hashes.setdefault(request_id, [])
         bs, table, pool = self.block_size, self.block_tables[request_id], self.pool
-        parent = hashes[-1] if hashes else NO_PARENT
+        parent = hashes[-1] if hashes else root
         for index in range(len(hashes), num_computed // bs):
             key = block_key(parent, token_ids, index, bs)
             parent = hash(key)

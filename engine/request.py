@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from engine.block_hash import salted_root
 from engine.outputs import FinishReason, Logprob, RequestMetrics
 from engine.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ class Request:
         "finish_reason", "stop_reason", "metrics", "deadline", "generator", "max_total_tokens",
         "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
         "cumulative_logprob", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
-        "has_prompt_work", "sent_first_output", "num_pending_tokens",
+        "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root",
     )
 
     def __init__(
@@ -71,6 +72,7 @@ class Request:
         self.arrival_order = next(_arrival_counter)
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0  # sampled by scheduled steps, not yet appended (async scheduling: up to 1)
+        self.cache_root = salted_root(params.cache_salt)  # its prefix-cache hashes chain from here (block_hash)
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None

@@ -54,6 +54,9 @@ class SamplingParams:
     # What the output must match (a JSON schema, any JSON object, a regex, a choice, a grammar): see
     # engine/structured_output.py. Checked (compiled) when the request is made.
     structured_output: StructuredOutput | None = None
+    # Prefix-cache isolation: requests with different salts never share cached KV blocks (so one cannot learn
+    # another's prompt from its time to first token). Servers set it per tenant; None: the shared cache.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples so params stay hashable.
@@ -144,6 +147,8 @@ class SamplingParams:
                                      or self.repetition_penalty != 1.0 or self.logit_bias):
             raise ValueError("presence_penalty, frequency_penalty, repetition_penalty and logit_bias must be left "
                              "at their defaults when max_tokens is 0 (no token is generated)")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256):
+            raise ValueError("cache_salt must be a string of 1-256 characters or None")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise bad("structured_output", "must be a StructuredOutput or None")

@@ -252,7 +252,7 @@ class Scheduler:
                 continue
             if (caching and request.status is running and end <= request.num_computed_tokens
                     and end >= (num_hashed_blocks(request.request_id) + 1) * block_size):
-                kv.cache_computed_blocks(request.request_id, request.all_token_ids, end)
+                kv.cache_computed_blocks(request.request_id, request.all_token_ids, end, request.cache_root)
             if token_id is None:
                 if end == request.max_total_tokens:  # a prefill-only request's last chunk: it is done
                     request.finish_reason = "length"
@@ -374,7 +374,7 @@ class ContinuousScheduler(Scheduler):
                 break  # it just made room for a better request that still does not fit: let blocks free up first
             hit = 0
             if request.num_computed_tokens == 0 and not (request.has_prompt_work and request.needs_prompt_outputs()):
-                hit = kv.match_prefix(request.request_id, request.all_token_ids)
+                hit = kv.match_prefix(request.request_id, request.all_token_ids, request.cache_root)
                 request.num_computed_tokens = hit
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             wanted = request.max_total_tokens if guaranteed else request.num_computed_tokens + num_new

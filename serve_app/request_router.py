@@ -38,8 +38,9 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
         hashes = None
         if (self.policy.policy == "prefix_affinity" and pending_request is not None and pending_request.args
                 and isinstance(pending_request.args[0], dict)):
-            hashes = prompt_block_hashes(pending_request.args[0].get("prompt_token_ids"),
-                                         [r.routing_stats for r in candidate_replicas])
+            request = pending_request.args[0]
+            hashes = prompt_block_hashes(request.get("prompt_token_ids"), [r.routing_stats for r in candidate_replicas],
+                                         request.get("params", {}).get("cache_salt"))
         ranked = self.policy.rank(loads, hashes)
         if pending_request is not None and ranked:
             self._count(pending_request.metadata.internal_request_id, ranked[0].replica_id)

@@ -210,7 +210,7 @@ class Router:
         except APIError as e:
             return _error_response(e)
         try:
-            payloads = self._payloads(body, kind)
+            payloads = self._payloads(body, kind, http.scope.get("state", {}).get("tenant"))
             deadline = time.monotonic() + (body.timeout or self.config.default_timeout_s)
             if body.stream:
                 stream = await self._stream_response(payloads, body, kind, deadline)
@@ -265,8 +265,10 @@ class Router:
             message = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()[:5])
             raise BadRequestError(message, param=param) from None
 
-    def _payloads(self, body, kind: str) -> list[dict[str, Any]]:
-        """One replica request per prompt (a completions call may carry several prompts)."""
+    def _payloads(self, body, kind: str, tenant: str | None = None) -> list[dict[str, Any]]:
+        """One replica request per prompt (a completions call may carry several prompts). A request of a tenant
+        (an API key's) gets the tenant's prefix-cache salt: tenants never share cached blocks."""
+        salt = {"cache_salt": f"tenant:{tenant}"} if tenant is not None else {}
         base_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         if kind == "chat":
             try:
@@ -274,7 +276,7 @@ class Router:
             except ValueError as e:
                 raise BadRequestError(str(e), param="messages") from None
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_kwargs(body.max_new_tokens(), logprobs)
+            params = {**body.sampling_kwargs(body.max_new_tokens(), logprobs), **salt}
             tools = template_tools(body.tools)
             payload = {"kind": "chat", "request_id": base_id, "messages": messages, "params": params,
                        "priority": body.priority, "client_timeout": body.timeout is not None,
@@ -286,7 +288,7 @@ class Router:
                     raise BadRequestError(str(e), param="messages") from None
                 payload.update(prompt_text=prompt["prompt"], prompt_token_ids=prompt["prompt_token_ids"])
             return [payload]
-        params = body.completion_sampling_kwargs()
+        params = {**body.completion_sampling_kwargs(), **salt}
         payloads = [{"kind": "completion", "request_id": base_id if i == 0 else f"{base_id}-{i}", "prompt": prompt,
                      "params": params, "priority": body.priority, "client_timeout": body.timeout is not None,
                      "echo": body.echo}

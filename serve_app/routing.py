@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_hash import block_hashes
+from engine.block_hash import block_hashes, salted_root
 
 POLICIES = ("least_loaded", "power_of_two", "round_robin", "prefix_affinity")
 MAX_STATS_AGE_S = 1.0
@@ -129,10 +129,12 @@ class PrefixIndex:
             del self._sent[replica_id]
 
 
-def prompt_block_hashes(token_ids: Sequence[int] | None, stats: Sequence[dict[str, Any] | None]) -> list[int]:
+def prompt_block_hashes(token_ids: Sequence[int] | None, stats: Sequence[dict[str, Any] | None],
+                        cache_salt: str | None = None) -> list[int]:
     """The prompt's leading block hashes at the replicas' block size (from their reports; every replica of a
-    deployment runs the same engine configuration), or none when no replica has reported it yet."""
+    deployment runs the same engine configuration), salted as the engine salts them, or none when no replica
+    has reported it yet."""
     block_size = next((s["block_size"] for s in stats if s and s.get("block_size")), None)
     if not token_ids or block_size is None:
         return []
-    return block_hashes(token_ids, block_size, MAX_HASHED_BLOCKS)
+    return block_hashes(token_ids, block_size, MAX_HASHED_BLOCKS, salted_root(cache_salt))

@@ -108,3 +108,33 @@ def test_a_hash_collision_cannot_hand_out_the_wrong_block():
     pool.register(block, 12345, (None, (1, 2)))
     assert pool.lookup(12345, (None, (1, 2))) == block
     assert pool.lookup(12345, (None, (3, 4))) is None  # same hash, other tokens: a miss
+
+
+def test_cache_salts_keep_requests_apart():
+    """Requests with different salts never share a cached block (one tenant cannot time another's prompt);
+    the same salt, or none on both sides, still hits; the tokens do not change."""
+    engine = make_engine()
+
+    def hit_tokens(salt, tail):
+        before = engine.stats()["prefix_cache_hit_tokens"]
+        [tokens] = generate_ids(engine, [SYSTEM + tail], greedy(4, cache_salt=salt))
+        return engine.stats()["prefix_cache_hit_tokens"] - before, tokens
+
+    first, want = hit_tokens("tenant:a", [9])
+    assert first == 0
+    assert hit_tokens("tenant:a", [10])[0] >= 32, "the same salt shares the prefix"
+    other, got = hit_tokens("tenant:b", [9])
+    assert other == 0 and got == want, "another salt: no hit, same tokens"
+    assert hit_tokens(None, [9])[0] == 0, "no salt is a cache of its own"
+    assert hit_tokens(None, [11])[0] >= 32
+
+
+def test_the_router_hashes_a_salted_prompt_as_the_engine_does():
+    from engine.block_hash import block_hashes, salted_root
+    from serve_app.routing import prompt_block_hashes
+
+    stats = [{"block_size": 4}]
+    assert prompt_block_hashes(SYSTEM, stats) == block_hashes(SYSTEM, 4, 64)
+    salted = prompt_block_hashes(SYSTEM, stats, "tenant:a")
+    assert salted == block_hashes(SYSTEM, 4, 64, salted_root("tenant:a"))
+    assert not set(salted) & set(prompt_block_hashes(SYSTEM, stats, "tenant:b"))

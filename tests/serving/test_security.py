@@ -111,3 +111,28 @@ def test_too_many_messages_or_content_parts_are_400(client):
     assert_error_body(client.post("/v1/chat/completions", json={"model": MODEL, "messages": many}), 400)
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]
     assert_error_body(client.post("/v1/chat/completions", json={"model": MODEL, "messages": parts}), 400)
+
+
+def test_tenants_never_share_cached_prompt_blocks(secure_app):
+    """The same prompt from one tenant hits its cache; from the other it does not (it could otherwise time
+    whether someone sent it); the router salts by the key's tenant, not by anything the client sends."""
+    prompt = "A shared system prompt that is long enough to fill several KV blocks of sixteen tokens. " * 3
+
+    def hits(key):
+        stats = httpx.get(secure_app + "/stats", headers=bearer(key), timeout=10.0).json()
+        return sum(r["prefix_cache_hit_tokens"] for r in stats["replicas"])
+
+    def send(key):
+        body = {**COMPLETION, "prompt": prompt}
+        response = httpx.post(secure_app + "/v1/completions", json=body, headers=bearer(key), timeout=60.0)
+        assert response.status_code == 200, response.text
+
+    a, b = KEYS["tenant-a"], KEYS["tenant-b"]
+    send(a)
+    start = hits(a)
+    send(b)
+    assert hits(a) == start, "tenant b must not hit tenant a's blocks"
+    send(a)
+    assert hits(a) >= start + 64, "tenant a hits its own blocks"
+    send(b)
+    assert hits(a) >= start + 128, "and tenant b its own"
