@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from pydantic import BaseModel, ConfigDict, Field
+
 
 class DrainRate:
     """Completions per second, an exponentially weighted average over roughly the last ``window_s``."""
@@ -54,3 +56,57 @@ class AdmissionController:
     def release(self) -> None:
         self.in_flight -= 1
         self.drain.record()
+
+
+class TenantLimits(BaseModel):
+    """One tenant's bounds at a router: requests in flight, and prompt + output tokens per minute."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+
+
+class TenantLimiter:
+    """Per-tenant admission at one router (with several routers, each applies the limits to what it sees).
+
+    Tokens are a bucket per tenant holding up to ``tokens_per_minute`` and refilled at that rate: a request
+    reserves its prompt (estimated) plus ``max_tokens`` when admitted, and gets back what it did not use when
+    it ends; a reservation beyond what the bucket holds waits for the refill (429 with the seconds it takes).
+    """
+
+    def __init__(self, limits: dict[str, TenantLimits], default: TenantLimits | None = None,
+                 clock=time.monotonic) -> None:
+        self.limits, self.default, self._clock = limits, default or TenantLimits(), clock
+        self.in_flight: dict[str, int] = {}
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, when)
+
+    def limits_of(self, tenant: str) -> TenantLimits:
+        return self.limits.get(tenant, self.default)
+
+    def try_admit(self, tenant: str, tokens: int) -> tuple[float, str] | None:
+        """None if admitted (call ``release``); else (Retry-After seconds, why)."""
+        limits = self.limits_of(tenant)
+        if limits.max_concurrent_requests is not None and self.in_flight.get(tenant, 0) >= limits.max_concurrent_requests:
+            return 1.0, f"tenant has {limits.max_concurrent_requests} requests in flight (its limit)"
+        rate = limits.tokens_per_minute
+        if rate is not None:
+            level = self._level(tenant, rate)
+            wanted = min(tokens, rate)  # more than a minute's budget: wait for a full bucket
+            if level < wanted:
+                return (wanted - level) * 60.0 / rate, f"tenant's budget of {rate} tokens per minute is spent"
+            self._buckets[tenant] = (level - wanted, self._clock())
+        self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
+        return None
+
+    def release(self, tenant: str, reserved: int, used: int | None) -> None:
+        """The request ended having used ``used`` tokens (None: unknown, the reservation stands): what it did
+        not use goes back, what it used beyond the reservation is taken too (the bucket may go below zero)."""
+        self.in_flight[tenant] = max(0, self.in_flight.get(tenant, 0) - 1)
+        rate = self.limits_of(tenant).tokens_per_minute
+        if rate is not None and used is not None:
+            level = self._level(tenant, rate) + min(reserved, rate) - used
+            self._buckets[tenant] = (max(-float(rate), min(float(rate), level)), self._clock())
+
+    def _level(self, tenant: str, rate: int) -> float:
+        tokens, when = self._buckets.get(tenant, (float(rate), self._clock()))
+        return min(float(rate), tokens + (self._clock() - when) * rate / 60.0)

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.config import EngineConfig
 from engine.engine_core import parse_cpu_list
+from serve_app.admission import TenantLimits
 from serve_app.autoscaling import POLICY_PATH, LLMLoadPolicy
 
 
@@ -21,6 +22,8 @@ class RouterConfig(BaseModel):
     default_timeout_s: float = Field(default=120.0, gt=0)  # deadline when a request brings no `timeout`
     max_attempts: int = Field(default=3, ge=1)  # tries of a request whose replica died before it started
     api_keys_file: str | None = None  # serve_app.gate: one "tenant key" a line (and INFLIGHT_API_KEYS)
+    tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
+    default_tenant_limits: TenantLimits | None = None
 
 
 class AppConfig(BaseModel):
@@ -60,6 +63,10 @@ class AppConfig(BaseModel):
     # API keys: a file of "tenant key" lines (on Kubernetes a mounted Secret), read by each router, plus the
     # INFLIGHT_API_KEYS environment variable; none of either: an open server. Never the keys themselves here.
     api_keys_file: str | None = None
+    # Per tenant (an API key's), at each router: requests in flight and tokens per minute; beyond: 429 with
+    # Retry-After (serve_app.admission.TenantLimiter). default_tenant_limits: for tenants not named here.
+    tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
+    default_tenant_limits: TenantLimits | None = None
 
     @field_validator("api_keys_file")
     @classmethod
@@ -104,7 +111,8 @@ class AppConfig(BaseModel):
         return RouterConfig(served_model_name=self.model_name, model=self.model, routing_policy=self.routing_policy,
                             max_pending_requests=self.max_pending_requests,
                             default_timeout_s=self.default_timeout_s, max_attempts=self.max_attempts,
-                            api_keys_file=self.api_keys_file)
+                            api_keys_file=self.api_keys_file, tenant_limits=self.tenant_limits,
+                            default_tenant_limits=self.default_tenant_limits)
 
 
 def with_llm_policy(autoscaling_config: dict[str, Any]) -> dict[str, Any]:

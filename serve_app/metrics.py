@@ -93,4 +93,11 @@ class ReplicaMetrics:
 class RouterMetrics:
     def __init__(self) -> None:
         self.rejections = metrics.Counter("llm_admission_rejections", description="requests refused with 429")
+        self.tenant_requests = metrics.Counter("llm_tenant_requests", description="requests served, by tenant",
+                                               tag_keys=("tenant",))
+        self.tenant_tokens = metrics.Counter("llm_tenant_tokens", description="prompt + output tokens, by tenant",
+                                             tag_keys=("tenant",))
+        self.tenant_rejections = metrics.Counter("llm_tenant_rejections",
+                                                 description="requests refused by a tenant's limits (429)",
+                                                 tag_keys=("tenant",))
         self.timeouts = metrics.Counter("llm_request_timeouts", description="requests ended by their deadline")

@@ -31,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import responses as R
-from serve_app.admission import AdmissionController
+from serve_app.admission import AdmissionController, TenantLimiter
 from serve_app.config import RouterConfig
 from serve_app.errors import (APIError, BadRequestError, ModelNotFoundError, OverloadedError, RequestTimeoutError,
                               ServerError, ServiceUnavailableError)
@@ -49,6 +49,42 @@ DEADLINE_GRACE_S = 2.0  # the engine ends a late request itself; the router step
 
 api = FastAPI(title="inflight", docs_url="/docs")
 api.add_middleware(Gate)  # header and body bounds, API keys: before any route (serve_app/gate.py)
+
+
+class _Slot:
+    """A request's admission: the router's slot and, for a tenant, its share; released once, settling the
+    tenant's token budget with the request's ``usage`` (``total_tokens``) when it is known."""
+
+    def __init__(self, router: "Router", tenant: str | None, reserved: int) -> None:
+        self.router, self.tenant, self.reserved = router, tenant, reserved
+        self.usage: dict[str, int] = {}
+        self._released = False
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        router = self.router
+        router.admission.release()
+        if self.tenant is not None:
+            used = self.usage.get("total_tokens")
+            router.tenants.release(self.tenant, self.reserved, used)
+            router.metrics.tenant_requests.inc(tags={"tenant": self.tenant})
+            if used:
+                router.metrics.tenant_tokens.inc(used, tags={"tenant": self.tenant})
+
+
+def _tokens_to_reserve(body, kind: str) -> int:
+    """A request's tokens before they are known: its prompts at ~4 characters a token (token ids as they are)
+    and its output bound (``max_tokens``, else 256), for each of its ``n`` choices."""
+    if kind == "chat":
+        prompts = ["".join(str(m.content or "") for m in body.messages)]
+        max_tokens = body.max_new_tokens()
+    else:
+        prompts = body.prompts()
+        max_tokens = body.max_tokens
+    prompt_tokens = sum(len(p) if isinstance(p, list) else len(p) // 4 + 1 for p in prompts)
+    return prompt_tokens + len(prompts) * body.n * (max_tokens if max_tokens is not None else 256)
 
 
 class ReplicaLost(Exception):
@@ -97,6 +133,7 @@ class Router:
         self.config = config
         self.model_name = config.served_model_name
         self.admission = AdmissionController(config.max_pending_requests)
+        self.tenants = TenantLimiter(config.tenant_limits, config.default_tenant_limits)
         self.metrics = RouterMetrics()
         self.created = int(time.time())
         # Prefix affinity routes by the engine's own block hashes (engine.block_hash), so the router tokenizes:
@@ -209,25 +246,34 @@ class Router:
             body = await self._admit(http, schema)
         except APIError as e:
             return _error_response(e)
+        tenant = http.scope.get("state", {}).get("tenant")
+        slot = _Slot(self, tenant, _tokens_to_reserve(body, kind))
+        if tenant is not None:
+            refusal = self.tenants.try_admit(tenant, slot.reserved)
+            if refusal is not None:
+                self.admission.release()
+                self.metrics.tenant_rejections.inc(tags={"tenant": tenant})
+                retry_after, why = refusal
+                return _error_response(OverloadedError(f"rate limited: {why}; retry later", retry_after_s=retry_after))
         try:
-            payloads = self._payloads(body, kind, http.scope.get("state", {}).get("tenant"))
+            payloads = self._payloads(body, kind, tenant)
             deadline = time.monotonic() + (body.timeout or self.config.default_timeout_s)
             if body.stream:
-                stream = await self._stream_response(payloads, body, kind, deadline)
-                released = [False]
-                body_iter = self._released(stream, released)
+                stream = await self._stream_response(payloads, body, kind, deadline, slot.usage)
+                body_iter = self._released(stream, slot)
                 # If the client leaves before the body starts, the generator never runs its `finally`;
                 # releasing when it is collected makes sure the admission slot still comes back.
-                weakref.finalize(body_iter, self._release_once, released)
+                weakref.finalize(body_iter, slot.release)
                 return StreamingResponse(body_iter, media_type="text/event-stream")
             result = await self._full_response(payloads, body, kind, deadline)
-            self.admission.release()
+            slot.usage.update(result["usage"])
+            slot.release()
             return JSONResponse(result)
         except APIError as e:
-            self.admission.release()
+            slot.release()
             return _error_response(e)
         except BaseException:
-            self.admission.release()
+            slot.release()
             raise
 
     async def _wait_for_replicas(self) -> None:
@@ -237,17 +283,13 @@ class Router:
         except Exception as e:
             logger.warning("no replica answered: %r", e)
 
-    async def _released(self, stream: AsyncIterator[str], released: list[bool]) -> AsyncIterator[str]:
+    @staticmethod
+    async def _released(stream: AsyncIterator[str], slot: "_Slot") -> AsyncIterator[str]:
         try:
             async for item in stream:
                 yield item
         finally:
-            self._release_once(released)
-
-    def _release_once(self, released: list[bool]) -> None:
-        if not released[0]:
-            released[0] = True
-            self.admission.release()
+            slot.release()
 
     async def _parse(self, http: Request, schema: type):
         raw = await http.body()
@@ -444,15 +486,18 @@ class Router:
         return states, prompt_tokens
 
     async def _stream_response(self, payloads: list[dict[str, Any]], body, kind: str,
-                               deadline: float) -> AsyncIterator[str]:
+                               deadline: float, usage: dict[str, int]) -> AsyncIterator[str]:
         if len(payloads) > 1:
             raise BadRequestError("streaming takes one prompt per request", param="prompt")
         chunks = self._chunks(payloads[0], deadline)
         first = await chunks.__anext__()  # errors before any byte is sent become HTTP statuses
-        return self._sse(_prepend(first, chunks), first["prompt_tokens"], payloads[0]["request_id"], body, kind)
+        return self._sse(_prepend(first, chunks), first["prompt_tokens"], payloads[0]["request_id"], body, kind,
+                         usage)
 
     async def _sse(self, chunks: AsyncIterator[dict[str, Any]], prompt_tokens: int, request_id: str, body,
-                   kind: str) -> AsyncIterator[str]:
+                   kind: str, usage: dict[str, int]) -> AsyncIterator[str]:
+        """The SSE events of one streamed request; ``usage`` gets its token counts as they come (the tenant's
+        budget is settled from them when the stream ends)."""
         created = int(time.time())
         model = self.model_name
         completion_tokens = 0
@@ -468,6 +513,7 @@ class Router:
             async for chunk in chunks:
                 for choice in chunk["choices"]:
                     completion_tokens += choice["num_tokens"]
+                    usage["total_tokens"] = prompt_tokens + completion_tokens
                     reason = choice["finish_reason"]
                     if reason == "timeout":  # the engine ended it (and counted it)
                         raise RequestTimeoutError("request timed out (queueing, prefill and decode)", code="timeout")

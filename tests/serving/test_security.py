@@ -14,7 +14,9 @@ from tests.serving.helpers import BASE_URL, MODEL, assert_error_body, wait_idle
 
 pytestmark = pytest.mark.timeout(180, func_only=True)
 
-KEYS = {"tenant-a": "key-a-0123456789", "tenant-b": "key-b-9876543210"}
+KEYS = {"tenant-a": "key-a-0123456789", "tenant-b": "key-b-9876543210", "tenant-c": "key-c-limited-000"}
+# tenant-c is held to one request at a time and 1,200 tokens a minute (20 a second)
+LIMITS = {"tenant-c": {"max_concurrent_requests": 1, "tokens_per_minute": 1200}}
 PREFIX = "/secure"
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
 
@@ -23,7 +25,7 @@ COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": 
 def secure_app(ray_cluster, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "api-keys"
     keys_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
-    args = {**DEMO_APP_ARGS, "num_cpus_per_replica": 0.5, "api_keys_file": str(keys_file)}
+    args = {**DEMO_APP_ARGS, "num_cpus_per_replica": 0.5, "api_keys_file": str(keys_file), "tenant_limits": LIMITS}
     yield deploy_app(args, name="secure", route_prefix=PREFIX, headers=bearer(KEYS["tenant-a"]))
     delete_app("secure")
 
@@ -136,3 +138,29 @@ def test_tenants_never_share_cached_prompt_blocks(secure_app):
     assert hits(a) >= start + 64, "tenant a hits its own blocks"
     send(b)
     assert hits(a) >= start + 128, "and tenant b its own"
+
+
+def test_a_tenants_limits_give_429_with_a_retry_after_that_works(secure_app):
+    """tenant-c: a second request while one streams is refused; a request beyond its token budget is refused
+    with the seconds the budget needs to refill, and the retry after them succeeds; tenant-a is not affected."""
+    c = bearer(KEYS["tenant-c"])
+    with httpx.Client(base_url=secure_app, timeout=60.0) as client:
+        body = {**COMPLETION, "max_tokens": 200, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body, headers=c) as streaming:
+            assert streaming.status_code == 200
+            busy = client.post("/v1/completions", json=COMPLETION, headers=c)
+            assert_error_body(busy, 429)
+            assert "in flight" in busy.json()["error"]["message"]
+            assert client.post("/v1/completions", json=COMPLETION, headers=bearer(KEYS["tenant-a"])).status_code == 200
+            for _ in streaming.iter_lines():
+                pass
+        # the stream used ~200 tokens of 1,200; a request reserving ~1,150 must wait for the refill (20 a second)
+        big = {**COMPLETION, "max_tokens": 1150}
+        refused = client.post("/v1/completions", json=big, headers=c)
+        error = assert_error_body(refused, 429)
+        assert "per minute" in error["message"]
+        retry_after = float(refused.headers["retry-after"])
+        assert 0 < retry_after <= 60
+        import time
+        time.sleep(retry_after + 0.5)
+        assert client.post("/v1/completions", json=big, headers=c).status_code == 200
