@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.request_state import PerRequestState
 from engine.sampling_params import SamplingParams
 
 
@@ -28,18 +29,7 @@ class PenaltyState:
     bias: torch.Tensor | None  # [vocab] float32: the logit bias (None without one)
 
 
-class Penalties:
-    def __init__(self) -> None:
-        self._states: dict[str, PenaltyState] = {}
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def forget(self, request_ids: list[str]) -> None:
-        """Requests that ended: their state is not needed again."""
-        for request_id in request_ids:
-            self._states.pop(request_id, None)
-
+class Penalties(PerRequestState[PenaltyState]):
     def apply(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams], request_ids: list[str],
               prompts: list[list[int]]) -> torch.Tensor:
         """``logits`` [num_rows, vocab] with the adjustments of ``rows`` (which ask for some) applied; the others

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from engine.request_state import PerRequestState
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_BYTES = 64 << 20  # compiled grammars kept per compiler; beyond it the least recently used go
 MAX_SPEC_CHARS = 100_000  # a schema, regex or grammar longer than this is refused before compiling
@@ -137,20 +139,13 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs: the {constraint.kind} does not compile: {reason[:300]}") from None
 
 
-class Constraints:
+class Constraints(PerRequestState[Any]):
     """A grammar matcher per constrained request, beside the sampler."""
 
     def __init__(self, compiler_factory) -> None:
+        super().__init__()
         self._compiler_factory = compiler_factory
         self._compiler: GrammarCompiler | None = None
-        self._matchers: dict[str, Any] = {}
-
-    def __len__(self) -> int:
-        return len(self._matchers)
-
-    def forget(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self._matchers.pop(request_id, None)
 
     def mask(self, logits: torch.Tensor, rows: list[int], constraints: list[StructuredOutput],
              request_ids: list[str]) -> torch.Tensor:
@@ -161,10 +156,10 @@ class Constraints:
         xgr = self._compiler._xgr
         live = []
         for i in rows:
-            matcher = self._matchers.get(request_ids[i])
+            matcher = self._states.get(request_ids[i])
             if matcher is None:
                 grammar = self._compiler.compile(constraints[i])
-                matcher = self._matchers[request_ids[i]] = xgr.GrammarMatcher(grammar)
+                matcher = self._states[request_ids[i]] = xgr.GrammarMatcher(grammar)
             if not matcher.is_terminated():
                 live.append((i, matcher))
         if not live:
@@ -185,6 +180,6 @@ class Constraints:
 
     def accept(self, rows: list[int], request_ids: list[str], token_ids: list[int]) -> None:
         for i in rows:
-            matcher = self._matchers.get(request_ids[i])
+            matcher = self._states.get(request_ids[i])
             if matcher is not None and not matcher.is_terminated():
                 matcher.accept_token(token_ids[i])
