@@ -4,6 +4,7 @@ flood with and without aging, and the admission predictor's error against measur
     python -m benchmarks.policies prefix      # shared-prefix workload, cache on vs off
     python -m benchmarks.policies aging       # priority flood: p50/p99 queue wait per class, aging on vs off
     python -m benchmarks.policies predictor   # predicted vs measured TTFT under Poisson arrivals, taken apart
+    python -m benchmarks.policies fairness    # tenant A floods, tenant B sends 1/s: B's TTFT, fcfs vs fair
     python -m benchmarks.policies all --json policies.json
 
 All runs use the benchmark checkpoint (``benchmarks.workloads``) on the CPU, in one process, side by side.
@@ -159,6 +160,41 @@ def bench_aging(path: str, args) -> dict[str, Any]:
     return results
 
 
+# -- fair share between tenants --------------------------------------------------------------------------------
+def bench_fairness(path: str, args) -> dict[str, Any]:
+    """Tenant A sends ``--flood`` requests at t=0; tenant B one request a second for ``--seconds``. B's time to
+    first token: alone, under A's flood with fcfs, and under the flood with the fair policy (virtual token
+    counters). The issue's target: under the flood with fair share, B's mean TTFT <= 2x its TTFT alone."""
+    rng = np.random.default_rng(4)
+    flood = [(0.0, f"a{i}", random_tokens(rng, int(rng.integers(50, 200))), greedy(48, tenant="a"), 0)
+             for i in range(args.flood)]
+    steady = [(float(i), f"b{i}", random_tokens(rng, int(rng.integers(50, 200))), greedy(48, tenant="b"), 0)
+              for i in range(int(args.seconds))]
+    results: dict[str, Any] = {}
+    for label, policy, arrivals in (("B alone", "fcfs", steady), ("flood, fcfs", "fcfs", flood + steady),
+                                    ("flood, fair", "fair", flood + steady)):
+        engine = make_engine(path, args.threads, scheduling_policy=policy, max_queue_wait_s=None)
+        done = online_run(engine, sorted(arrivals, key=lambda a: a[0]), label)
+        ttft = {rid: d["first_token"] - d["arrival"] for rid, d in done.items()}
+        b = [t for rid, t in ttft.items() if rid.startswith("b")]
+        a = [t for rid, t in ttft.items() if rid.startswith("a")]
+        results[label] = {"b_mean_ttft_s": float(np.mean(b)), "b_p90_ttft_s": percentile(b, 90),
+                          "a_mean_ttft_s": float(np.mean(a)) if a else None, "b_n": len(b)}
+    alone = results["B alone"]["b_mean_ttft_s"]
+    for label in ("flood, fcfs", "flood, fair"):
+        results[label]["b_vs_alone"] = results[label]["b_mean_ttft_s"] / alone
+    print_table(f"Tenant B's time to first token (1 request/s for {args.seconds:.0f} s) while tenant A floods "
+                f"({args.flood} requests at t=0), {ENGINE['max_num_seqs']} slots",
+                ["", "B mean TTFT s", "B p90 s", "B vs alone", "A mean TTFT s"],
+                [[label, r["b_mean_ttft_s"], r["b_p90_ttft_s"], r.get("b_vs_alone", 1.0), r["a_mean_ttft_s"]]
+                 for label, r in results.items()])
+    fair = results["flood, fair"]["b_vs_alone"]
+    results["met"] = fair <= 2.0
+    print(f"fair share: B's mean TTFT under the flood is {fair:.2f}x alone (target <= 2.0: "
+          f"{'met' if results['met'] else 'MISSED'}); fcfs: {results['flood, fcfs']['b_vs_alone']:.2f}x")
+    return results
+
+
 # -- the admission predictor --------------------------------------------------------------------------------------
 def record_predictions(engine) -> tuple[dict[str, dict], dict[str, Any]]:
     """Wrap this engine's admission check and predictor (the instances, not the classes) to record each
@@ -290,7 +326,8 @@ def bench_predictor(path: str, args) -> dict[str, Any]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=("prefix", "aging", "predictor", "all"))
+    parser.add_argument("which", choices=("prefix", "aging", "predictor", "fairness", "all"))
+    parser.add_argument("--flood", type=int, default=200, help="tenant A's requests at t=0 (fairness)")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the priority flood")
     parser.add_argument("--max-queue-wait-s", type=float, default=5.0,
@@ -299,7 +336,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    for name in ("num_requests", "seconds", "predictor_rate", "threads", "max_queue_wait_s"):
+    for name in ("num_requests", "seconds", "predictor_rate", "threads", "max_queue_wait_s", "flood"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     return args
@@ -309,7 +346,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     path = str(build_checkpoint())
     results: dict[str, Any] = {"machine": describe_machine()}
-    runs = {"prefix": bench_prefix, "aging": bench_aging, "predictor": bench_predictor}
+    runs = {"prefix": bench_prefix, "aging": bench_aging, "predictor": bench_predictor, "fairness": bench_fairness}
     for name, run in runs.items():
         if args.which in (name, "all"):
             results[name] = run(path, args)

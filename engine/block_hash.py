@@ -25,6 +25,13 @@ def block_key(parent: int, token_ids: Sequence[int], index: int, block_size: int
     return parent, tuple(token_ids[index * block_size:(index + 1) * block_size])
 
 
+def request_salt(cache_salt: str | None, tenant: str | None) -> str | None:
+    """The salt a request's prefix-cache hashes use: its own ``cache_salt``, else its tenant's, else none."""
+    if cache_salt is not None:
+        return cache_salt
+    return f"tenant:{tenant}" if tenant is not None else None
+
+
 def salted_root(salt: str | None) -> int:
     """The first block's parent for requests with this cache salt: the same in every process (not ``hash``
     of a str, which PYTHONHASHSEED varies), never ``NO_PARENT`` for a salt."""

@@ -9,7 +9,7 @@ BatchingMode = Literal["continuous", "static"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 ADMISSION_MODES = ("max_utilization", "guaranteed_no_evict")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")  # kernels.backend.BACKENDS
@@ -38,6 +38,8 @@ class EngineConfig:
     # Who goes first. fcfs: arrival order. priority: lower ``priority`` value first (vLLM's convention:
     # 0 beats 10), then arrival. Either way a request that has waited max_queue_wait_s since it arrived
     # goes ahead of everything younger, preempting a running request if it must (None: no aging).
+    # fair: tenants (SamplingParams.tenant) take turns by the service each has had (virtual token counters):
+    # a tenant's flood does not push another tenant's requests to the back; arrival order within a tenant.
     scheduling_policy: str = "fcfs"
     max_queue_wait_s: float | None = 30.0
     # max_utilization: admit while blocks for the next chunk exist, preempt on shortage (vLLM).

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.block_hash import salted_root
+from engine.block_hash import request_salt, salted_root
 from engine.outputs import FinishReason, Logprob, RequestMetrics
 from engine.sampling_params import SamplingParams
 
@@ -72,7 +72,7 @@ class Request:
         self.arrival_order = next(_arrival_counter)
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0  # sampled by scheduled steps, not yet appended (async scheduling: up to 1)
-        self.cache_root = salted_root(params.cache_salt)  # its prefix-cache hashes chain from here (block_hash)
+        self.cache_root = salted_root(request_salt(params.cache_salt, params.tenant))  # prefix-cache hashes start here
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None

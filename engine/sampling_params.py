@@ -57,6 +57,9 @@ class SamplingParams:
     # Prefix-cache isolation: requests with different salts never share cached KV blocks (so one cannot learn
     # another's prompt from its time to first token). Servers set it per tenant; None: the shared cache.
     cache_salt: str | None = None
+    # Who the request is for (servers set an API key's tenant): the unit of fair share (scheduling_policy="fair")
+    # and, unless cache_salt is given, of prefix-cache isolation.
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples so params stay hashable.
@@ -147,8 +150,10 @@ class SamplingParams:
                                      or self.repetition_penalty != 1.0 or self.logit_bias):
             raise ValueError("presence_penalty, frequency_penalty, repetition_penalty and logit_bias must be left "
                              "at their defaults when max_tokens is 0 (no token is generated)")
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256):
-            raise ValueError("cache_salt must be a string of 1-256 characters or None")
+        for name in ("cache_salt", "tenant"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
+                raise ValueError(f"{name} must be a string of 1-256 characters or None")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise bad("structured_output", "must be a StructuredOutput or None")

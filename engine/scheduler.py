@@ -18,7 +18,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, PromptRow, SchedulerOutput
 
 
-Rank = tuple[bool, int, int]  # Scheduler.rank's key: smaller is served first
+Rank = tuple[bool, float, int]  # Scheduler.rank's key: smaller is served first
 
 
 def fresh_rank(priority: int, arrival_order: int, priority_policy: bool) -> Rank:
@@ -49,6 +49,11 @@ class Scheduler:
         # (async scheduling).
         self._in_flight: deque[tuple[list[Request], list[int]]] = deque()
         self._num_with_deadline = 0
+        # Fair share (scheduling_policy "fair"): tokens of service each tenant has had (a virtual token counter),
+        # and how many requests each has here (waiting or running).
+        self._fair = config.scheduling_policy == "fair"
+        self._service: dict[str | None, float] = {}
+        self._tenant_requests: dict[str | None, int] = {}
         self._num_with_prompt_work = 0  # requests here with Request.has_prompt_work (prompt outputs, or no generation)
         # aborted, timed out, or prefill-only and done (they end without producing a token) since the last drain
         self._ended_without_token: list[Request] = []
@@ -84,6 +89,8 @@ class Scheduler:
                 f"but the pool holds only {self.kv.pool.num_blocks}; raise num_kv_blocks or lower max_tokens")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self._fair:
+            self._join(request.params.tenant)
         if request.deadline is not None:
             self._num_with_deadline += 1
         if request.has_prompt_work:
@@ -109,7 +116,8 @@ class Scheduler:
             self._num_with_deadline -= 1
         if request.has_prompt_work:
             self._num_with_prompt_work -= 1
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None and self._fair:
+            self._tenant_requests[request.params.tenant] -= 1
         if request.params.adjusts_logits:
             self._ended_with_state.append(request.request_id)
         if request.swapped_blocks is not None:  # ended while swapped out: its host copy is no longer needed
@@ -128,6 +136,18 @@ class Scheduler:
         """Ids of the requests that ended since the last call and had state in the runner (penalties)."""
         ended, self._ended_with_state = self._ended_with_state, []
         return ended
+
+    def _join(self, tenant: str | None) -> None:
+        """A tenant's request arrives. A tenant with nothing here starts from the least-served active tenant's
+        counter, not below it: idle time is not credit to spend on a burst later (VTC). When nobody has
+        anything here, a new busy period starts and every counter starts again from zero."""
+        if not self._tenant_requests.get(tenant):
+            active = [self._service.get(t, 0.0) for t, n in self._tenant_requests.items() if n]
+            if active:
+                self._service[tenant] = max(self._service.get(tenant, 0.0), min(active))
+            else:
+                self._service.clear()
+        self._tenant_requests[tenant] = self._tenant_requests.get(tenant, 0) + 1
 
     def drain_ended_without_token(self) -> list[Request]:
         ended, self._ended_without_token = self._ended_without_token, []
@@ -158,10 +178,14 @@ class Scheduler:
         requests, counts = list(picked), list(picked.values())
         out = self._build_output(requests, counts)
         ends = []
+        service = self._service if self._fair else None
         for request, num_new, sample in zip(requests, counts, out.sample):
             if not request.static_padding:
                 request.num_computed_tokens += num_new
                 request.num_pending_tokens += sample
+                if service is not None:  # what the tenant is served: the tokens computed for it
+                    tenant = request.params.tenant
+                    service[tenant] = service.get(tenant, 0.0) + num_new
             ends.append(request.num_computed_tokens)
         if requests:
             self._in_flight.append((requests, ends))
@@ -282,12 +306,14 @@ class Scheduler:
         ``max_queue_wait_s`` since arrival without ever being scheduled, and it stays aged until it ends
         (so, once in, it is not preempted by the urgent work it jumped). Requests preempted after their
         first admission do not age again: their age would let them preempt in turn, a cascade that costs
-        recomputation and makes everyone wait. Then (policy ``priority``) the lower priority value; then
-        the earlier arrival."""
+        recomputation and makes everyone wait. Then (policy ``priority``) the lower priority value, or (policy
+        ``fair``) the tenant that has had the fewest tokens of service; then the earlier arrival."""
         if not request.aged:
             max_wait = self.config.max_queue_wait_s
             if (max_wait is None or request.metrics.first_scheduled_time is not None
                     or now - request.metrics.arrival_time < max_wait):
+                if self._fair:  # the least-served tenant first, then arrival
+                    return (True, self._service.get(request.params.tenant, 0.0), request.arrival_order)
                 return fresh_rank(request.priority, request.arrival_order,
                                   self.config.scheduling_policy == "priority")
             request.aged = True
@@ -366,7 +392,7 @@ class ContinuousScheduler(Scheduler):
         config, kv = self.config, self.kv
         guaranteed = config.admission_mode == "guaranteed_no_evict"
         # Without priorities or aging the queue's own (arrival) order is the rank order: no need to search it.
-        by_rank = config.scheduling_policy == "priority" or config.max_queue_wait_s is not None
+        by_rank = config.scheduling_policy != "fcfs" or config.max_queue_wait_s is not None
         preempted_now: set[Request] = set()
         while self.waiting and budget > 0:
             request = min(self.waiting, key=lambda r: self.rank(r, now)) if by_rank else self.waiting[0]
@@ -409,7 +435,10 @@ class ContinuousScheduler(Scheduler):
             return None
         victim = max(self.running, key=lambda r: self.rank(r, now))
         mine, theirs = self.rank(request, now), self.rank(victim, now)
-        if mine[:2] >= theirs[:2]:
+        # Age, or priority, preempts; a tenant's share does not (it is honoured at admission, never by
+        # evicting: counters move every step, and preempting by them would recompute back and forth).
+        urgency = 1 if self._fair else 2
+        if mine[:urgency] >= theirs[:urgency]:
             return None
         scheduled.pop(victim, None)
         self._preempt(victim)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from engine.block_hash import request_salt
 from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, prompt_block_hashes
 
 class LLMRequestRouter(FIFOMixin, RequestRouter):
@@ -39,8 +40,9 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
         if (self.policy.policy == "prefix_affinity" and pending_request is not None and pending_request.args
                 and isinstance(pending_request.args[0], dict)):
             request = pending_request.args[0]
+            params = request.get("params", {})
             hashes = prompt_block_hashes(request.get("prompt_token_ids"), [r.routing_stats for r in candidate_replicas],
-                                         request.get("params", {}).get("cache_salt"))
+                                         request_salt(params.get("cache_salt"), params.get("tenant")))
         ranked = self.policy.rank(loads, hashes)
         if pending_request is not None and ranked:
             self._count(pending_request.metadata.internal_request_id, ranked[0].replica_id)
@@ -67,3 +69,4 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
         counted_on = self._counted_on.pop(internal_request_id, None)  # broadcasts and pings were never counted
         if counted_on is not None:
             self.in_flight[counted_on] = max(0, self.in_flight[counted_on] - 1)
+

@@ -309,8 +309,9 @@ class Router:
 
     def _payloads(self, body, kind: str, tenant: str | None = None) -> list[dict[str, Any]]:
         """One replica request per prompt (a completions call may carry several prompts). A request of a tenant
-        (an API key's) gets the tenant's prefix-cache salt: tenants never share cached blocks."""
-        salt = {"cache_salt": f"tenant:{tenant}"} if tenant is not None else {}
+        (an API key's) says so: the engine salts its prefix cache by tenant (tenants never share cached blocks)
+        and, under the fair policy, shares its queue between tenants."""
+        salt = {"tenant": tenant} if tenant is not None else {}  # the engine salts the tenant's cache with it
         base_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         if kind == "chat":
             try:
