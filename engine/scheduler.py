@@ -435,10 +435,15 @@ class ContinuousScheduler(Scheduler):
             return None
         victim = max(self.running, key=lambda r: self.rank(r, now))
         mine, theirs = self.rank(request, now), self.rank(victim, now)
-        # Age, or priority, preempts; a tenant's share does not (it is honoured at admission, never by
-        # evicting: counters move every step, and preempting by them would recompute back and forth).
-        urgency = 1 if self._fair else 2
-        if mine[:urgency] >= theirs[:urgency]:
+        # Age, or priority, preempts. Under fair share a tenant with nothing running preempts the most-served
+        # tenant's newest request (the cheapest to recompute) to get its first slot; once it runs, its share
+        # is honoured at admission only (counters move every step: preempting by them would ping-pong).
+        if self._fair:
+            tenant = request.params.tenant
+            starved = mine[1] < theirs[1] and not any(r.params.tenant == tenant for r in self.running)
+            if mine[:1] >= theirs[:1] and not starved:
+                return None
+        elif mine[:2] >= theirs[:2]:
             return None
         scheduled.pop(victim, None)
         self._preempt(victim)

@@ -38,6 +38,8 @@ def test_a_flood_does_not_push_another_tenant_to_the_back():
     b_fair = max(fair[f"b{i}"] for i in range(3))
     assert b_fcfs > max(fcfs[f"a{i}"] for i in range(29)), "fcfs: b waits behind the whole flood"
     assert b_fair < b_fcfs / 3, (b_fair, b_fcfs)
+    # every slot is a's when b arrives (step 5): b, with nothing running, takes a's newest slot at once
+    assert fair["b0"] - 5 <= 2, fair["b0"]
     # within tenant a, arrival order is kept
     a_order = sorted(range(30), key=lambda i: fair[f"a{i}"])
     assert a_order == sorted(a_order)
