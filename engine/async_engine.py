@@ -128,6 +128,21 @@ class AsyncLLMEngine:
         delta = requests[0].params.output_kind == "delta"
         return RequestStream(request_id, requests[0].prompt_token_ids, self._stream(request_id, queue, delta))
 
+    async def check_structured_output(self, params: SamplingParams | PoolingParams | None, timeout_s: float) -> None:
+        """Compile ``params``' structured output on a thread, within ``timeout_s`` (else ``ValueError``), before
+        ``submit``: a schema that takes long to compile must not hold this event loop, nor pass unbounded.
+        ``submit`` then finds it compiled. (A compile that overran goes on in its thread; its result is cached.)"""
+        constraint = getattr(params, "structured_output", None)
+        if constraint is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, self._maker.check_structured_output, constraint),
+                                   timeout_s)
+        except asyncio.TimeoutError:
+            raise ValueError(f"structured_outputs: the {constraint.kind} took longer than {timeout_s:g} s to "
+                             f"compile") from None
+
     def _check_deadline_now(self, requests: list[Request]) -> None:
         """Refuse an unmeetable deadline here, from the engine's latest view of its queue plus what was sent
         since, instead of when the step under way ends and the engine takes the request in: a long prefill step

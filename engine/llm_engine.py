@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner, RunnerOutput
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.prefill_lane import PrefillLane
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampler import SamplingBatch
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.scheduler import make_scheduler
@@ -90,6 +90,11 @@ class LLMEngine:
                      else config.batching == "continuous" and self.runner.device.type == "cuda")
         self._device = ThreadPoolExecutor(1, thread_name_prefix="inflight-device") if use_async else None
         self._in_flight: _Launched | None = None
+        # Requests whose structured output compiles on a pool thread (the step loop does not wait for it), and
+        # those aborted meanwhile.
+        self._grammar_pool: ThreadPoolExecutor | None = None
+        self._compiling: list[tuple[Future, list[Request]]] = []
+        self._aborted_unqueued: list[list[Request]] = []
 
     def _set_preemption_costs(self) -> None:
         """Swap or recompute a victim: time to copy its blocks out and back at the measured host-copy rate,
@@ -165,10 +170,46 @@ class LLMEngine:
             predicted = self.check_deadline(requests, self.queue_view())
             for request in requests:
                 request.metrics.predicted_ttft_s = predicted
+        self._children[parent] = requests
+        constraint = requests[0].params.structured_output
+        if constraint is not None:  # compiled off the step loop; it joins the queue when its grammar is ready
+            if self._grammar_pool is None:
+                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="inflight-grammar")
+            self._compiling.append((self._grammar_pool.submit(self.runner.sampler.constraints.compile, constraint),
+                                    requests))
+            return
+        self._queue(requests)
+
+    def _queue(self, requests: list[Request]) -> None:
         queue = self.lane if self.lane is not None and requests[0].prefill_only else self.scheduler
         for request in requests:
             queue.add(request)
-        self._children[parent] = requests
+
+    def _take_compiled(self, touched: dict[str, None]) -> None:
+        """Requests whose grammar has compiled join the queue; one whose grammar failed ends (aborted: the server
+        checked it when the request was made, so this is a compile that failed only here)."""
+        waiting = []
+        for future, requests in self._compiling:
+            if not future.done():
+                waiting.append((future, requests))
+            elif future.exception() is not None:
+                logger.warning("structured output of request %s failed to compile: %s", requests[0].parent_id,
+                               future.exception())
+                self._end_unqueued(requests, touched)
+            else:
+                self._queue(requests)
+        self._compiling = waiting
+        for requests in self._aborted_unqueued:
+            self._end_unqueued(requests, touched)
+        self._aborted_unqueued = []
+        if waiting and not self.scheduler.has_unfinished():  # nothing else to do: wait a little, not spin
+            wait([f for f, _ in waiting], timeout=0.002, return_when=FIRST_COMPLETED)
+
+    def _end_unqueued(self, requests: list[Request], touched: dict[str, None]) -> None:
+        for request in requests:
+            request.status, request.finish_reason = RequestStatus.FINISHED, "abort"
+            request.metrics.finished_time = time.time()
+        touched[requests[0].parent_id] = None
 
     def _expected_remaining(self, request: Request) -> int:
         """Output tokens a running request will still produce: its max_tokens bound, or, once requests have
@@ -214,6 +255,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """End the request now: its blocks are free before the next step. Unknown ids are ignored."""
+        compiling = [entry for entry in self._compiling if entry[1][0].parent_id == request_id]
+        if compiling:  # not queued yet: it ends with the next step's outputs
+            self._compiling.remove(compiling[0])
+            self._aborted_unqueued.append(compiling[0][1])
+            return
         for child in self._children.get(request_id, ()):
             if self.scheduler.abort(child.request_id) is None and self.lane is not None:
                 self.lane.abort(child.request_id)
@@ -227,9 +273,12 @@ class LLMEngine:
         scheduler = self.scheduler
         listener = self.step_listener
         started = time.perf_counter()
+        touched: dict[str, None] = {}
+        if self._compiling or self._aborted_unqueued:  # before scheduling: a grammar ready now is admitted now
+            self._take_compiled(touched)
         launched = self._schedule_and_launch()
         record = self._record_step(launched.batch) if listener is not None and launched is not None else None
-        touched: dict[str, None] = dict.fromkeys(r.parent_id for r in scheduler.drain_ended_without_token())
+        touched.update(dict.fromkeys(r.parent_id for r in scheduler.drain_ended_without_token()))
         if self._device is None:
             done = launched
         else:

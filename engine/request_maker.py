@@ -32,6 +32,10 @@ class RequestMaker:
         self._sequence_ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None
 
+    def check_structured_output(self, constraint) -> None:
+        """Compile ``constraint`` (a ``ValueError`` if it does not); cached, so checking again costs nothing."""
+        self._grammars().compile(constraint)
+
     def _grammars(self) -> GrammarCompiler:
         """The grammar compiler, made when a structured output first needs it (it caches what it compiled)."""
         if self._grammar_compiler is None:
@@ -58,7 +62,7 @@ class RequestMaker:
             name = "logit_bias" if outside[0] in dict(params.logit_bias) else "stop_token_ids"
             raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.structured_output is not None:
-            self._grammars().compile(params.structured_output)  # a constraint that does not compile is a 400
+            self.check_structured_output(params.structured_output)  # one that does not compile is a 400
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt must not be empty")

@@ -4,7 +4,10 @@ strings or an EBNF grammar, with xgrammar (the backend vLLM and SGLang use; it r
 ``StructuredOutput`` is the constraint as plain, hashable data (it travels inside ``SamplingParams``).
 ``GrammarCompiler`` turns one into xgrammar's compiled grammar for this model's tokenizer; it caches what it
 compiled (bounded by ``CACHE_BYTES``), so a schema used again costs nothing, and a constraint that does not
-compile is a ``ValueError`` naming the parameter. ``Constraints`` keeps a grammar matcher per request beside
+compile is a ``ValueError`` naming the parameter. A server compiles a new constraint on a thread, within a
+time bound (``AsyncLLMEngine.check_structured_output``), before it queues the request; the engine compiles it
+again in its own process on a pool thread and queues the request when the grammar is ready, so neither an
+event loop nor the batch waits for a compile (xgrammar releases the GIL while it compiles). ``Constraints`` keeps a grammar matcher per request beside
 the sampler: before a step samples, each constrained row's logits are masked to the tokens its grammar allows
 next; after, the matcher accepts the sampled token. Like the penalties' counts, the matcher advances with the
 sampler itself, so with async scheduling a step already sees the previous step's token; a preempted request
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,24 +150,31 @@ class Constraints(PerRequestState[Any]):
         super().__init__()
         self._compiler_factory = compiler_factory
         self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()  # the engine compiles on a pool thread while the sampler masks
+
+    def compile(self, constraint: StructuredOutput):
+        """The compiled grammar (xgrammar caches it: the engine compiles each new constraint ahead, off the step
+        loop, so the sampler's call finds it ready)."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._compiler_factory()
+        return self._compiler.compile(constraint)
 
     def mask(self, logits: torch.Tensor, rows: list[int], constraints: list[StructuredOutput],
              request_ids: list[str]) -> torch.Tensor:
         """``logits`` with each of ``rows`` limited to the tokens its grammar allows next (a matcher that has
         finished, stop token included, leaves its row as it is)."""
-        if self._compiler is None:
-            self._compiler = self._compiler_factory()
-        xgr = self._compiler._xgr
         live = []
         for i in rows:
             matcher = self._states.get(request_ids[i])
             if matcher is None:
-                grammar = self._compiler.compile(constraints[i])
-                matcher = self._states[request_ids[i]] = xgr.GrammarMatcher(grammar)
+                grammar = self.compile(constraints[i])
+                matcher = self._states[request_ids[i]] = self._compiler._xgr.GrammarMatcher(grammar)
             if not matcher.is_terminated():
                 live.append((i, matcher))
         if not live:
             return logits
+        xgr = self._compiler._xgr
         bitmask = xgr.allocate_token_bitmask(len(live), self._compiler.info.vocab_size)
         for j, (_, matcher) in enumerate(live):
             matcher.fill_next_token_bitmask(bitmask, j)

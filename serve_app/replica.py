@@ -35,6 +35,7 @@ from serve_app.responses import pack_embedding
 logger = logging.getLogger("ray.serve")
 
 STATS_PERIOD_S = 0.5
+STRUCTURED_COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is a 400
 
 
 class LLMReplica:
@@ -73,6 +74,8 @@ class LLMReplica:
             params = SamplingParams(**request["params"], timeout_s=request.get("timeout_s"),
                                     reject_unmeetable_deadline=request.get("strict_deadline", True),
                                     output_kind="delta")
+            if params.structured_output is not None and hasattr(self.engine, "check_structured_output"):
+                await self.engine.check_structured_output(params, STRUCTURED_COMPILE_TIMEOUT_S)
             stream = self.engine.submit(prompt, params, request_id=request["request_id"],
                                         priority=request.get("priority", 0))
         except ValueError as e:

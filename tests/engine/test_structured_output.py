@@ -109,3 +109,58 @@ def test_bad_constraints_are_named_and_leave_the_engine_serving(kind, spec, word
 def test_structured_output_needs_tokens_to_generate():
     with pytest.raises(ValueError, match="structured_output"):
         SamplingParams(max_tokens=0, prompt_logprobs=0, structured_output=StructuredOutput("json_object"))
+
+
+def test_a_grammar_compiles_off_the_step_loop_and_an_abort_meanwhile_ends_the_request():
+    """While a constraint compiles (held here on an event) the engine goes on stepping other requests; the
+    constrained request joins when its grammar is ready. One aborted while compiling ends as aborted."""
+    import threading
+
+    engine = make_engine()
+    release = threading.Event()
+    compile_for_real = engine.runner.sampler.constraints.compile
+
+    def slow_compile(constraint):
+        release.wait(10)
+        return compile_for_real(constraint)
+
+    engine.runner.sampler.constraints.compile = slow_compile
+    engine.add_request("constrained", PROMPTS[0], constrained("regex", "[0-9]{6}", max_tokens=8))
+    engine.add_request("dropped", PROMPTS[1], constrained("regex", "[a-z]{6}", max_tokens=8))
+    engine.add_request("plain", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finished = {}
+    for _ in range(40):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+        if "plain" in finished:
+            break
+    assert "plain" in finished and "constrained" not in finished, "the plain request must not wait for a compile"
+    engine.abort_request("dropped")
+    release.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+    assert finished["dropped"].finish_reason == "abort" and finished["dropped"].token_ids == []
+    assert re.fullmatch("[0-9]{6}", finished["constrained"].text)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_compile_that_overruns_its_bound_is_a_value_error():
+    import asyncio
+    import time
+
+    from engine import AsyncLLMEngine
+
+    async def main():
+        aengine = AsyncLLMEngine(engine=make_engine())
+        aengine._maker.check_structured_output = lambda constraint: time.sleep(0.5)
+        try:
+            with pytest.raises(ValueError, match="took longer than"):
+                await aengine.check_structured_output(constrained("json_object"), timeout_s=0.05)
+            await aengine.check_structured_output(SamplingParams(max_tokens=4), timeout_s=0.05)  # nothing to do
+        finally:
+            await aengine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
