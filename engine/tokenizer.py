@@ -69,7 +69,13 @@ class Tokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # `tokenizers` refuses a str that is not Unicode text (a lone surrogate, "\ud800")
+            if isinstance(text, str) and not _is_unicode(text):
+                raise ValueError("prompt: holds a lone UTF-16 surrogate (U+D800-U+DFFF), which is not Unicode "
+                                 "text") from None
+            raise
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -110,3 +116,11 @@ class IncrementalDecoder:
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tokenizer, token_id) or ""
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -169,7 +169,7 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_rejected(small_engine):
     assert len(run_engine(small_engine)["ok"].outputs[0].token_ids) == 12
 
 
-@pytest.mark.parametrize("prompt", [[], [7, 300], [7, -1], [7, 1.5], [True, 8], None])
+@pytest.mark.parametrize("prompt", [[], [7, 300], [7, -1], [7, 1.5], [True, 8], None, "lone \ud800 surrogate"])
 def test_bad_prompts_are_rejected(small_engine, prompt):
     with pytest.raises(ValueError):
         small_engine.add_request("bad", prompt, greedy(1))
