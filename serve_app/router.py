@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
@@ -126,6 +127,30 @@ async def _prepend(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -
         await rest.aclose()
 
 
+_BODY_SCHEMAS: dict[str, Any] = {}  # the request models' sub-schemas, for /openapi.json's components
+
+
+def _body(model: type) -> dict[str, Any]:
+    """A route's request body for /openapi.json: the routes read the raw body (so bad input is OpenAI's 400, not
+    FastAPI's 422), so the schema their pydantic model checks is declared here instead."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    _BODY_SCHEMAS.update(schema.pop("$defs", {}))
+    _BODY_SCHEMAS[model.__name__] = schema
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi() -> dict[str, Any]:
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(_BODY_SCHEMAS)
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi
+
+
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
 
@@ -194,15 +219,15 @@ class Router:
                 "router": {"in_flight": self.admission.in_flight, "max_pending_requests": self.admission.max_in_flight,
                            "num_rejected": self.admission.num_rejected}}
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, "completion")
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, "chat")
 
-    @api.post("/v1/embeddings")
+    @api.post("/v1/embeddings", openapi_extra=_body(EmbeddingRequest))
     async def embeddings(self, request: Request) -> Response:
         try:
             body = await self._admit(request, EmbeddingRequest)
@@ -220,13 +245,13 @@ class Router:
         finally:
             self.admission.release()
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", openapi_extra=_body(TokenizeRequest))
     async def tokenize(self, request: Request) -> Response:
         """vLLM's tokenizer endpoints (clients such as ``vllm bench serve`` align prompt lengths with them):
         a replica answers, since its tokenizer and chat template are the engine's."""
         return await self._ask_replica(request, TokenizeRequest, lambda body: self.control.tokenize.remote(body.payload()))
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> Response:
         return await self._ask_replica(request, DetokenizeRequest, lambda body: self.control.detokenize.remote(body.tokens))
 
@@ -237,7 +262,11 @@ class Router:
                 raise ModelNotFoundError(f"model {body.model!r} does not exist; this server serves "
                                          f"{self.model_name!r}", param="model", code="model_not_found")
             try:
-                result = await asyncio.wait_for(call(body), timeout=30.0)
+                answer = call(body)  # building the call reads the body (a message's parts): it may refuse it
+            except ValueError as e:
+                raise BadRequestError(str(e), param="messages") from None
+            try:
+                result = await asyncio.wait_for(answer, timeout=30.0)
             except Exception as e:
                 raise ServiceUnavailableError(f"no replica could answer: {type(e).__name__}") from None
             if "error" in result:

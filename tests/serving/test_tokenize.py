@@ -40,6 +40,7 @@ def test_tokenize_renders_chat_messages_with_the_template(client):
     ("/tokenize", {"model": MODEL}, 400, None),
     ("/tokenize", {"model": MODEL, "prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, None),
     ("/tokenize", {"model": MODEL, "prompt": "a", "surprise": 1}, 400, "surprise"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "tool", "content": [{}]}]}, 400, "messages"),  # was a 503
     ("/tokenize", {"model": "other-model", "prompt": "a"}, 404, "model"),
     ("/detokenize", {"model": MODEL, "tokens": [10 ** 9]}, 400, "tokens"),
     ("/detokenize", {"model": MODEL, "tokens": [-1]}, 400, "tokens"),
