@@ -27,6 +27,10 @@ from engine.ttft_predictor import QueueView, Rank, TTFTPredictor, check_deadline
 
 logger = logging.getLogger(__name__)
 
+# The KV diagnosis looks at every SAMPLE_EVERY-th step, over the last DIAGNOSIS_WINDOW samples, and is
+# re-run every DIAGNOSE_EVERY steps: cheap enough for every engine, slow enough to see states, not bursts.
+SAMPLE_EVERY, DIAGNOSIS_WINDOW, DIAGNOSE_EVERY = 10, 100, 200
+
 
 @dataclass
 class _Launched:
@@ -37,10 +41,6 @@ class _Launched:
     rows: list[Request]
     future: Future | None
     outcome: tuple[RunnerOutput, float] | None = None
-
-# The KV diagnosis looks at every SAMPLE_EVERY-th step, over the last DIAGNOSIS_WINDOW samples, and is
-# re-run every DIAGNOSE_EVERY steps: cheap enough for every engine, slow enough to see states, not bursts.
-SAMPLE_EVERY, DIAGNOSIS_WINDOW, DIAGNOSE_EVERY = 10, 100, 200
 
 
 class LLMEngine:
@@ -284,7 +284,9 @@ class LLMEngine:
         else:
             done, self._in_flight = self._in_flight, launched
         if done is not None:
-            self._process(done, touched)
+            # the step's time for the predictor: all of it when the loop is synchronous (the next step waits
+            # for the host work too), the device's alone when the host work overlaps it
+            self._process(done, touched, time.perf_counter() - started if self._device is None else None)
         if self.lane is not None and self.lane.has_work():
             for request in self._run_prefill_lane():
                 touched[request.parent_id] = None
@@ -346,10 +348,13 @@ class LLMEngine:
         result = self.runner.execute(batch, sampling)
         return result, time.perf_counter() - started
 
-    def _process(self, launched: "_Launched", touched: dict[str, None]) -> None:
-        """Apply a computed step: prompt outputs, tokens (stop rules, stop strings), the predictor's clock."""
+    def _process(self, launched: "_Launched", touched: dict[str, None], step_seconds: float | None) -> None:
+        """Apply a computed step: prompt outputs, tokens (stop rules, stop strings), the predictor's clock
+        (``step_seconds``, or the forward's own time when None)."""
         scheduler, batch = self.scheduler, launched.batch
         result, seconds = launched.outcome if launched.future is None else launched.future.result()
+        if step_seconds is not None:
+            seconds = step_seconds
         if result.prompt_outputs:  # before update, which ends the prefill-only requests whose prompt is done
             rows, add_prompt_outputs = launched.rows, self.output_processor.add_prompt_outputs
             for row, prompt_output in result.prompt_outputs.items():
