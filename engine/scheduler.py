@@ -133,7 +133,8 @@ class Scheduler:
         self.kv.free(request.request_id)
 
     def take_ended_with_state(self) -> list[str]:
-        """Ids of the requests that ended since the last call and had state in the runner (penalties)."""
+        """Ids of the requests that ended since the last call and had state in the runner (penalty counts, a
+        grammar matcher)."""
         ended, self._ended_with_state = self._ended_with_state, []
         return ended
 
