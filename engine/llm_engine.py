@@ -276,8 +276,8 @@ class LLMEngine:
         touched: dict[str, None] = {}
         if self._compiling or self._aborted_unqueued:  # before scheduling: a grammar ready now is admitted now
             self._take_compiled(touched)
-        launched = self._schedule_and_launch()
-        record = self._record_step(launched.batch) if listener is not None and launched is not None else None
+        batch, launched = self._schedule_and_launch()
+        record = self._record_step(batch) if listener is not None else None  # empty steps too: they take time
         touched.update(dict.fromkeys(r.parent_id for r in scheduler.drain_ended_without_token()))
         if self._device is None:
             done = launched
@@ -321,13 +321,14 @@ class LLMEngine:
             else:
                 self._device.submit(forget, ended).result()  # idle: nothing to overlap with
 
-    def _schedule_and_launch(self) -> "_Launched | None":
-        """Schedule a batch and start computing it (at once, or on the device thread); None: nothing to run."""
+    def _schedule_and_launch(self) -> tuple[SchedulerOutput, "_Launched | None"]:
+        """Schedule a batch and start computing it (at once, or on the device thread); the launch is None when
+        there is nothing to run."""
         scheduler = self.scheduler
         batch = scheduler.schedule()
         self.last_batch_size = batch.num_rows
         if batch.is_empty:
-            return None
+            return batch, None
         rows = scheduler.scheduled_requests()
         # Per row of every step from here: locals, and no per-row dict unless a row asked for logprobs.
         sampled_rows = [r for r, s in zip(rows, batch.sample) if s]
@@ -340,8 +341,8 @@ class LLMEngine:
             requests=sampled_rows,
         )
         if self._device is None:
-            return _Launched(batch, rows, None, self._timed_execute(batch, sampling))
-        return _Launched(batch, rows, self._device.submit(self._timed_execute, batch, sampling))
+            return batch, _Launched(batch, rows, None, self._timed_execute(batch, sampling))
+        return batch, _Launched(batch, rows, self._device.submit(self._timed_execute, batch, sampling))
 
     def _timed_execute(self, batch: SchedulerOutput, sampling: SamplingBatch) -> tuple[RunnerOutput, float]:
         started = time.perf_counter()

@@ -30,3 +30,27 @@ def test_listener_sees_every_step_with_slots_waiting_and_kv():
     assert third.num_waiting == 0 and sorted(third.batch.query_lens) == [1, 4]
     assert all(r.duration_s > 0 for r in records)
 
+
+
+def test_a_step_that_runs_nothing_is_recorded_too():
+    """A step can have nothing to run (here: the only request waits for its grammar to compile); the listener
+    still hears of it, since benchmarks advance their step clock by every step's duration."""
+    import threading
+
+    from engine import SamplingParams, StructuredOutput
+    from tests.engine.helpers import make_engine
+
+    engine = make_engine()
+    release = threading.Event()
+    compile_for_real = engine.runner.sampler.constraints.compile
+    engine.runner.sampler.constraints.compile = lambda c: (release.wait(10), compile_for_real(c))[1]
+    records = []
+    engine.step_listener = records.append
+    constrained = SamplingParams(max_tokens=3, structured_output=StructuredOutput("regex", "[0-9]+"))
+    engine.add_request("r", [7, 8, 9], constrained)
+    engine.step()
+    assert len(records) == 1 and records[0].batch.is_empty
+    release.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(records) > 2 and not records[-2].batch.is_empty
