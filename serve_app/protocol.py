@@ -16,11 +16,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from engine.sampling_params import MAX_LOGIT_BIAS
 from serve_app.tools import Tool, ToolChoice, check_tools, forced_constraint, read_calls
 
 MAX_N = 16
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on inputs per request
-MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1000  # a stop list is searched at every token: bounded
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES, MAX_CONTENT_PARTS = 2048, 256
@@ -89,7 +89,7 @@ class _Sampling(BaseModel):
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
         for key, bias in value.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²".isdigit() holds, and int("²") fails
                 raise ValueError(f"keys must be token ids (non-negative integers), got {key[:20]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")

@@ -88,6 +88,7 @@ BAD_REQUESTS = [
     ("best-of", C, comp(best_of=3), None),
     ("logit-bias-over-100", C, comp(logit_bias={"5": 101}), "logit_bias"),
     ("logit-bias-not-a-token-id", C, comp(logit_bias={"five": 1}), "logit_bias"),
+    ("logit-bias-unicode-digit", C, comp(logit_bias={"\u00b2": 1}), "logit_bias"),
     ("logit-bias-outside-the-vocabulary", C, comp(logit_bias={"100000": 1}), "logit_bias"),
     ("logit-bias-outside-the-vocabulary-stream", CHAT, chat(logit_bias={"100000": 1}, stream=True), "logit_bias"),
     ("logit-bias-301-entries", C, comp(logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
