@@ -60,7 +60,7 @@ class Sampler:
         adjusted = [i for i, p in enumerate(batch.params) if p.adjusts_logits]
         if adjusted:
             params, ids = batch.params, [r.request_id for r in batch.requests]
-            penalised = [i for i in adjusted if _penalised(params[i])]
+            penalised = [i for i in adjusted if params[i].penalised]
             constrained = [i for i in adjusted if params[i].structured_output is not None]
             if penalised:
                 logits = self.penalties.apply(logits, penalised, params, ids,
@@ -133,11 +133,6 @@ class Sampler:
                 top = list(zip(ids.tolist(), values.tolist()))
             result[i] = ((token_ids[i], chosen, rank), top)
         return result
-
-
-def _penalised(params: SamplingParams) -> bool:
-    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-                or params.logit_bias)
 
 
 def _no_grammar_compiler() -> GrammarCompiler:

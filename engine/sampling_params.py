@@ -81,11 +81,12 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", ())
         else:
             object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in bias))
+        # set once (the sampler asks for every row of every step), before _validate, which reads them
+        object.__setattr__(self, "_penalised", bool(self.presence_penalty or self.frequency_penalty
+                                                    or self.repetition_penalty != 1.0 or self.logit_bias))
+        object.__setattr__(self, "_adjusts_logits", self._penalised or self.structured_output is not None)
         self._validate()
         object.__setattr__(self, "logit_bias", tuple((token_id, float(bias)) for token_id, bias in self.logit_bias))
-        object.__setattr__(self, "_adjusts_logits", bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
-            or self.structured_output is not None))
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -146,8 +147,7 @@ class SamplingParams:
                     or not -100.0 <= pair[1] <= 100.0):
                 raise ValueError(f"logit_bias entries must map a token id >= 0 to a bias in [-100, 100], "
                                  f"got {str(pair)[:40]}")
-        if self.max_tokens == 0 and (self.presence_penalty or self.frequency_penalty
-                                     or self.repetition_penalty != 1.0 or self.logit_bias):
+        if self.max_tokens == 0 and self.penalised:
             raise ValueError("presence_penalty, frequency_penalty, repetition_penalty and logit_bias must be left "
                              "at their defaults when max_tokens is 0 (no token is generated)")
         for name in ("cache_salt", "tenant"):
@@ -164,7 +164,12 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Penalties, a logit bias or a structured output change this request's logits before sampling (and the
         runner keeps state for it: token counts, a grammar matcher)."""
-        return self._adjusts_logits  # set once: the sampler asks for every row of every step
+        return self._adjusts_logits
+
+    @property
+    def penalised(self) -> bool:
+        """Penalties or a logit bias apply (``engine/penalties.py``)."""
+        return self._penalised
 
     @property
     def prefill_only(self) -> bool:

@@ -44,7 +44,8 @@ class SchedulerOutput:
     # Decode rows (by index) whose input is the token an earlier, still running step samples (async scheduling):
     # their input_token_ids entry is PLACEHOLDER_TOKEN_ID until the runner puts that token in.
     placeholder_rows: list[int] = field(default_factory=list)
-    # Requests that ended since the previous batch and had per-request state in the runner (penalties): it can go.
+    # Requests that ended since the previous batch and had per-request state in the runner (penalty counts, a
+    # grammar matcher): it can go.
     ended_ids: list[str] = field(default_factory=list)
 
     @property
