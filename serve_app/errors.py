@@ -44,6 +44,26 @@ class BadRequestError(APIError):
     error_type = "invalid_request_error"
 
 
+class UnauthorizedError(APIError):
+    """No valid API key (serve_app.gate)."""
+
+    status_code = 401
+    error_type = "invalid_request_error"
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "WWW-Authenticate": "Bearer"}
+
+
+class RequestTooLargeError(APIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class HeadersTooLargeError(APIError):
+    status_code = 431
+    error_type = "invalid_request_error"
+
+
 class ModelNotFoundError(APIError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -73,7 +93,8 @@ class ServiceUnavailableError(APIError):
     error_type = "service_unavailable"
 
 
-_KINDS = {cls.__name__: cls for cls in (APIError, BadRequestError, ModelNotFoundError, OverloadedError,
+_KINDS = {cls.__name__: cls for cls in (APIError, BadRequestError, UnauthorizedError, RequestTooLargeError,
+                                        HeadersTooLargeError, ModelNotFoundError, OverloadedError,
                                         RequestTimeoutError, ServerError, ServiceUnavailableError)}
 
 

@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app.errors import APIError, HeadersTooLargeError, RequestTooLargeError, UnauthorizedError
+
 logger = logging.getLogger("ray.serve")
 
 API_KEYS_ENV = "INFLIGHT_API_KEYS"
@@ -81,17 +83,11 @@ def load_api_keys(api_keys_file: str | None = None, environ: dict[str, str] | No
     return APIKeys(tuple((hashlib.sha256(key.encode()).digest(), tenant) for tenant, key in pairs))
 
 
-def _error(status: int, message: str, error_type: str, code: str | None) -> tuple[int, bytes]:
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
-    return status, json.dumps(body).encode()
-
-
-UNAUTHORIZED = _error(401, "missing or invalid API key (send Authorization: Bearer <key>)", "invalid_request_error",
-                      "invalid_api_key")
-HEADERS_TOO_LARGE = _error(431, f"request headers are larger than {MAX_HEADER_BYTES} bytes",
-                           "invalid_request_error", "request_header_fields_too_large")
-BODY_TOO_LARGE = _error(413, f"request body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error",
-                        "request_too_large")
+UNAUTHORIZED = UnauthorizedError("missing or invalid API key (send Authorization: Bearer <key>)",
+                                 code="invalid_api_key")
+HEADERS_TOO_LARGE = HeadersTooLargeError(f"request headers are larger than {MAX_HEADER_BYTES} bytes",
+                                         code="request_header_fields_too_large")
+BODY_TOO_LARGE = RequestTooLargeError(f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
 
 
 class _BodyTooLarge(Exception):
@@ -113,18 +109,18 @@ class Gate:
             return
         headers = scope.get("headers") or []
         if sum(len(name) + len(value) for name, value in headers) > self.max_header_bytes:
-            await _respond(send, *HEADERS_TOO_LARGE)
+            await _respond(send, HEADERS_TOO_LARGE)
             return
         keys: APIKeys = getattr(scope["app"].state, "api_keys", None) or APIKeys()
         if not keys.open and not _is_health(scope):
             tenant = keys.tenant_of(_bearer(headers))
             if tenant is None:
-                await _respond(send, *UNAUTHORIZED, extra_headers=[(b"www-authenticate", b"Bearer")])
+                await _respond(send, UNAUTHORIZED)
                 return
             scope.setdefault("state", {})["tenant"] = tenant
         length = _content_length(headers)
         if length is not None and length > self.max_body_bytes:
-            await _respond(send, *BODY_TOO_LARGE)
+            await _respond(send, BODY_TOO_LARGE)
             return
         received, started = 0, False
 
@@ -147,7 +143,7 @@ class Gate:
             await self.app(scope, bounded_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await _respond(send, *BODY_TOO_LARGE)
+                await _respond(send, BODY_TOO_LARGE)
 
 
 def _is_health(scope: dict[str, Any]) -> bool:
@@ -175,8 +171,11 @@ def _content_length(headers) -> int | None:
     return None
 
 
-async def _respond(send, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
-    await send({"type": "http.response.start", "status": status,
+async def _respond(send, error: APIError) -> None:
+    """``error`` as the router would answer it (serve_app.errors: status, OpenAI body, headers), sent from here."""
+    body = json.dumps(error.body()).encode()
+    headers = [(name.lower().encode(), value.encode()) for name, value in error.headers().items()]
+    await send({"type": "http.response.start", "status": error.status_code,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *extra_headers]})
+                            *headers]})
     await send({"type": "http.response.body", "body": body})
