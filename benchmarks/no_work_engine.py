@@ -42,6 +42,10 @@ class NoWorkEngine:
                 "num_preemptions": 0,
                 "num_finished_requests": 0, "num_generated_tokens": 0, "time": time.time()}
 
+    async def check_structured_output(self, params: SamplingParams, timeout_s: float) -> None:
+        if params.structured_output is not None:
+            raise ValueError("structured_outputs: the no-work engine generates no text to constrain")
+
     def submit(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0) -> RequestStream:
         if not isinstance(prompt, list):
             raise ValueError("prompt: the no-work engine takes token-id prompts only")

@@ -74,8 +74,7 @@ class LLMReplica:
             params = SamplingParams(**request["params"], timeout_s=request.get("timeout_s"),
                                     reject_unmeetable_deadline=request.get("strict_deadline", True),
                                     output_kind="delta")
-            if params.structured_output is not None and hasattr(self.engine, "check_structured_output"):
-                await self.engine.check_structured_output(params, STRUCTURED_COMPILE_TIMEOUT_S)
+            await self.engine.check_structured_output(params, STRUCTURED_COMPILE_TIMEOUT_S)  # off the event loop
             stream = self.engine.submit(prompt, params, request_id=request["request_id"],
                                         priority=request.get("priority", 0))
         except ValueError as e:
