@@ -64,7 +64,8 @@ class LLMEngine:
         self.max_model_len = self._fit_max_model_len_to_pool(self.runner.num_kv_blocks)
         self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks)
         self.request_maker = RequestMaker(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                          self.max_model_len, self._max_model_len_note)
+                                          self.max_model_len, self._max_model_len_note,
+                                          self.runner.sampler.constraints)
         # Requests that generate nothing run here, apart from the scheduler and the KV cache (prefill_lane.py).
         self.lane = (PrefillLane(self.config.max_prefill_batch_tokens, self.config.max_prefill_batch_size)
                      if self.config.prefill_lane else None)

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from engine.request import Request
 from engine.sampling_params import PoolingParams, SamplingParams
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import Constraints, GrammarCompiler, StructuredOutput
 from engine.tokenizer import Tokenizer
 
 PromptInput = str | Sequence[int] | dict[str, Any]
@@ -23,24 +23,21 @@ class RequestMaker:
     (``max_model_len_note`` says why, when the KV cache capped it)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int], max_model_len: int,
-                 max_model_len_note: str = "") -> None:
+                 max_model_len_note: str = "", constraints: Constraints | None = None) -> None:
+        """``constraints``: the engine's, when it is in this process (one grammar compiler and one cache for both);
+        else grammars compile with a compiler of its own."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self._max_model_len_note = max_model_len_note
         self._sequence_ids = itertools.count()
-        self._grammar_compiler: GrammarCompiler | None = None
+        self._constraints = constraints or Constraints(
+            lambda: GrammarCompiler(tokenizer, vocab_size, eos_token_ids))
 
-    def check_structured_output(self, constraint) -> None:
+    def check_structured_output(self, constraint: StructuredOutput) -> None:
         """Compile ``constraint`` (a ``ValueError`` if it does not); cached, so checking again costs nothing."""
-        self._grammars().compile(constraint)
-
-    def _grammars(self) -> GrammarCompiler:
-        """The grammar compiler, made when a structured output first needs it (it caches what it compiled)."""
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammar_compiler
+        self._constraints.compile(constraint)
 
     def make_requests(self, request_id: str, prompt: PromptInput,
                       params: SamplingParams | PoolingParams | None = None, priority: int = 0,
