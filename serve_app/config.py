@@ -22,6 +22,7 @@ class RouterConfig(BaseModel):
     default_timeout_s: float = Field(default=120.0, gt=0)  # deadline when a request brings no `timeout`
     max_attempts: int = Field(default=3, ge=1)  # tries of a request whose replica died before it started
     api_keys_file: str | None = None  # serve_app.gate: one "tenant key" a line (and INFLIGHT_API_KEYS)
+    body_timeout_s: float = Field(default=30.0, gt=0)  # serve_app.gate: a body not received whole by then is a 408
     tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
     default_tenant_limits: TenantLimits | None = None
 
@@ -67,6 +68,9 @@ class AppConfig(BaseModel):
     # Retry-After (serve_app.admission.TenantLimiter). default_tenant_limits: for tenants not named here.
     tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
     default_tenant_limits: TenantLimits | None = None
+    # A request body not received whole within this many seconds (a client trickling it) is answered 408 and
+    # its connection closed (serve_app.gate); the body is read before admission, so it never holds a slot.
+    body_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator("api_keys_file")
     @classmethod
@@ -112,7 +116,7 @@ class AppConfig(BaseModel):
                             max_pending_requests=self.max_pending_requests,
                             default_timeout_s=self.default_timeout_s, max_attempts=self.max_attempts,
                             api_keys_file=self.api_keys_file, tenant_limits=self.tenant_limits,
-                            default_tenant_limits=self.default_tenant_limits)
+                            default_tenant_limits=self.default_tenant_limits, body_timeout_s=self.body_timeout_s)
 
 
 def with_llm_policy(autoscaling_config: dict[str, Any]) -> dict[str, Any]:

@@ -64,6 +64,16 @@ class HeadersTooLargeError(APIError):
     error_type = "invalid_request_error"
 
 
+class BodyTimeoutError(APIError):
+    """The client did not send its whole body in time (a trickled body): 408, the connection is closed."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "Connection": "close"}
+
+
 class ModelNotFoundError(APIError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -94,7 +104,7 @@ class ServiceUnavailableError(APIError):
 
 
 _KINDS = {cls.__name__: cls for cls in (APIError, BadRequestError, UnauthorizedError, RequestTooLargeError,
-                                        HeadersTooLargeError, ModelNotFoundError, OverloadedError,
+                                        HeadersTooLargeError, BodyTimeoutError, ModelNotFoundError, OverloadedError,
                                         RequestTimeoutError, ServerError, ServiceUnavailableError)}
 
 

@@ -10,7 +10,9 @@ In this order, on the raw request, so no path spelling gets around it (``//v1/co
    The key's tenant goes into the request's scope state (``tenant``). Without keys the server is open (it
    says so once at start);
 3. a body over ``MAX_BODY_BYTES``: 413, from ``Content-Length`` before anything is read, or as soon as a
-   chunked body passes the bound (the route never sees it).
+   chunked body passes the bound (the route never sees it);
+4. a body not received whole within ``BODY_TIMEOUT_S`` (a client trickling it): 408 and the connection
+   closed. The route reads the body before it asks for an admission slot, so a slow client never holds one.
 
 API keys come from ``INFLIGHT_API_KEYS="tenant-a:key-a,tenant-b:key-b"`` or a file (``api_keys_file`` in the
 app's arguments: one ``tenant key`` a line, ``#`` comments), never from the serve config itself; no key is
@@ -20,6 +22,7 @@ ever logged or quoted in an error.
 from __future__ import annotations
 
 import hashlib
+import asyncio
 import hmac
 import json
 import logging
@@ -27,13 +30,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.errors import APIError, HeadersTooLargeError, RequestTooLargeError, UnauthorizedError
+from serve_app.errors import (APIError, BodyTimeoutError, HeadersTooLargeError, RequestTooLargeError,
+                              UnauthorizedError)
 
 logger = logging.getLogger("ray.serve")
 
 API_KEYS_ENV = "INFLIGHT_API_KEYS"
 MAX_HEADER_BYTES = 32 * 1024
 MAX_BODY_BYTES = 4 * 1024 * 1024
+BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -90,13 +95,14 @@ HEADERS_TOO_LARGE = HeadersTooLargeError(f"request headers are larger than {MAX_
 BODY_TOO_LARGE = RequestTooLargeError(f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyRefused(Exception):
+    def __init__(self, error: APIError) -> None:
+        self.error = error
 
 
 class Gate:
     """ASGI middleware: ``api.add_middleware(Gate)``. The keys are the app's ``state.api_keys`` (the router sets
-    them when it starts; none: open)."""
+    them when it starts; none: open), the body's time limit its ``state.body_timeout_s`` (else ``BODY_TIMEOUT_S``)."""
 
     def __init__(self, app, max_header_bytes: int = MAX_HEADER_BYTES, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.app = app
@@ -122,15 +128,25 @@ class Gate:
         if length is not None and length > self.max_body_bytes:
             await _respond(send, BODY_TOO_LARGE)
             return
-        received, started = 0, False
+        state = scope["app"].state
+        timeout_s = getattr(state, "body_timeout_s", None) or BODY_TIMEOUT_S
+        body_deadline = asyncio.get_running_loop().time() + timeout_s
+        received, body_done, started = 0, False, False
 
         async def bounded_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # after the body only a disconnect comes: no limit on waiting for it
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), body_deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                raise _BodyRefused(BodyTimeoutError(f"request body not received within {timeout_s:g} s",
+                                                    code="request_timeout")) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise _BodyTooLarge()
+                    raise _BodyRefused(BODY_TOO_LARGE)
+                body_done = not message.get("more_body", False)
             return message
 
         async def tracking_send(message):
@@ -141,9 +157,9 @@ class Gate:
 
         try:
             await self.app(scope, bounded_receive, tracking_send)
-        except _BodyTooLarge:
+        except _BodyRefused as refused:
             if not started:
-                await _respond(send, BODY_TOO_LARGE)
+                await _respond(send, refused.error)
 
 
 def _is_health(scope: dict[str, Any]) -> bool:

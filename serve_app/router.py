@@ -96,15 +96,17 @@ def _reject_lone_surrogates(data: Any) -> None:
 
 def _tokens_to_reserve(body, kind: str) -> int:
     """A request's tokens before they are known: its prompts at ~4 characters a token (token ids as they are)
-    and its output bound (``max_tokens``, else 256), for each of its ``n`` choices."""
+    and its output bound (``max_tokens``, else 256), for each of its ``n`` choices; an embedding's inputs alone."""
     if kind == "chat":
         prompts = ["".join(str(m.content or "") for m in body.messages)]
         max_tokens = body.max_new_tokens()
+    elif kind == "embedding":
+        prompts, max_tokens = body.inputs(), 0
     else:
         prompts = body.prompts()
         max_tokens = body.max_tokens
     prompt_tokens = sum(len(p) if isinstance(p, list) else len(p) // 4 + 1 for p in prompts)
-    return prompt_tokens + len(prompts) * body.n * (max_tokens if max_tokens is not None else 256)
+    return prompt_tokens + len(prompts) * getattr(body, "n", 1) * (max_tokens if max_tokens is not None else 256)
 
 
 class ReplicaLost(Exception):
@@ -185,6 +187,7 @@ class Router:
         self.tokenizer = (read_model_source(config.model).tokenizer if config.routing_policy == "prefix_affinity"
                           else None)
         api.state.api_keys = load_api_keys(config.api_keys_file)
+        api.state.body_timeout_s = config.body_timeout_s
         if api.state.api_keys.open:
             logger.warning("no API keys configured (%s or api_keys_file): this server answers anyone who can "
                            "reach it", API_KEYS_ENV)
@@ -230,7 +233,7 @@ class Router:
     @api.post("/v1/embeddings", openapi_extra=_body(EmbeddingRequest))
     async def embeddings(self, request: Request) -> Response:
         try:
-            body = await self._admit(request, EmbeddingRequest)
+            body, slot = await self._admit(request, EmbeddingRequest, "embedding")
         except APIError as e:
             return _error_response(e)
         try:
@@ -238,12 +241,13 @@ class Router:
             payload = {"request_id": "embd-" + uuid.uuid4().hex, "inputs": body.inputs(),
                        "client_timeout": body.timeout is not None}
             result = await self._embed(payload, deadline)
+            slot.usage["total_tokens"] = result["prompt_tokens"]
             return JSONResponse(R.embedding_response(self.model_name, result["embeddings"], result["prompt_tokens"],
                                                      body.encoding_format))
         except APIError as e:
             return _error_response(e)
         finally:
-            self.admission.release()
+            slot.release()
 
     @api.post("/tokenize", openapi_extra=_body(TokenizeRequest))
     async def tokenize(self, request: Request) -> Response:
@@ -276,8 +280,9 @@ class Router:
             return _error_response(e)
 
     # -- one request ---------------------------------------------------------------------------------
-    async def _admit(self, http: Request, schema: type):
-        """Parse and validate the body, check the model, take an admission slot; raises ``APIError``."""
+    async def _admit(self, http: Request, schema: type, kind: str) -> tuple[Any, "_Slot"]:
+        """Parse and validate the body, check the model, take an admission slot and, for a key's tenant, its
+        share (requests in flight, tokens per minute); raises ``APIError``. The caller releases the slot."""
         body = await self._parse(http, schema)
         if body.model != self.model_name:
             raise ModelNotFoundError(f"model {body.model!r} does not exist; this server serves "
@@ -287,13 +292,6 @@ class Router:
             self.metrics.rejections.inc()
             raise OverloadedError(f"server is at capacity ({self.admission.max_in_flight} requests in flight); "
                                   f"retry later", retry_after_s=retry_after)
-        return body
-
-    async def _serve(self, http: Request, schema: type, kind: str) -> Response:
-        try:
-            body = await self._admit(http, schema)
-        except APIError as e:
-            return _error_response(e)
         tenant = http.scope.get("state", {}).get("tenant")
         slot = _Slot(self, tenant, _tokens_to_reserve(body, kind))
         if tenant is not None:
@@ -302,7 +300,15 @@ class Router:
                 self.admission.release()
                 self.metrics.tenant_rejections.inc(tags={"tenant": tenant})
                 retry_after, why = refusal
-                return _error_response(OverloadedError(f"rate limited: {why}; retry later", retry_after_s=retry_after))
+                raise OverloadedError(f"rate limited: {why}; retry later", retry_after_s=retry_after)
+        return body, slot
+
+    async def _serve(self, http: Request, schema: type, kind: str) -> Response:
+        try:
+            body, slot = await self._admit(http, schema, kind)
+        except APIError as e:
+            return _error_response(e)
+        tenant = slot.tenant
         try:
             payloads = self._payloads(body, kind, tenant)
             deadline = time.monotonic() + (body.timeout or self.config.default_timeout_s)

@@ -62,11 +62,29 @@ def pvc_schema() -> dict[str, Any]:
     return volumes["ephemeral"]["properties"]["volumeClaimTemplate"]
 
 
+def network_policy_schema() -> dict[str, Any]:
+    """networking.k8s.io/v1 NetworkPolicy (metadata + spec), assembled from the parts KubeRay 1.7's CRD embeds:
+    its ``networkPolicy`` rules are networking/v1's NetworkPolicyIngressRule and EgressRule, its peers' selectors
+    meta/v1's LabelSelector, and a pod template's metadata the ObjectMeta every object has."""
+    cluster = rayservice_schema()["properties"]["spec"]["properties"]["rayClusterConfig"]["properties"]
+    head = cluster["networkPolicy"]["properties"]["head"]["properties"]
+    ingress_rule, egress_rule = head["ingressRules"]["items"], head["egressRules"]["items"]
+    label_selector = ingress_rule["properties"]["from"]["items"]["properties"]["podSelector"]
+    spec = {"type": "object", "required": ["podSelector"], "additionalProperties": False, "properties": {
+        "podSelector": label_selector,
+        "policyTypes": {"type": "array", "items": {"type": "string", "enum": ["Ingress", "Egress"]}},
+        "ingress": {"type": "array", "items": ingress_rule},
+        "egress": {"type": "array", "items": egress_rule}}}
+    return {"type": "object", "additionalProperties": False, "required": ["spec"],
+            "properties": {"metadata": pod_schema()["properties"]["metadata"], "spec": spec}}
+
+
 # (apiVersion, kind) -> its schema.
 KINDS = {
     ("ray.io/v1", "RayService"): lambda: rayservice_schema(),
     ("v1", "PersistentVolumeClaim"): lambda: pvc_schema(),
     ("v1", "Pod"): lambda: pod_schema(),
+    ("networking.k8s.io/v1", "NetworkPolicy"): lambda: network_policy_schema(),
     ("monitoring.coreos.com/v1", "PodMonitor"): lambda: _schema("prometheus-operator/podmonitor_v1_subset.json"),
 }
 TOP_LEVEL = {"apiVersion", "kind", "metadata", "spec"}
@@ -85,7 +103,8 @@ def manifest_errors(manifest: Any) -> list[str]:
         errors.append("metadata.name: required")
     schema = KINDS[key]()
     # Core kinds are checked through the parts KubeRay embeds (metadata + spec); apiVersion/kind were matched above.
-    document = manifest if key[0] != "v1" else {k: v for k, v in manifest.items() if k in ("metadata", "spec")}
+    core = key[0] in ("v1", "networking.k8s.io/v1")
+    document = manifest if not core else {k: v for k, v in manifest.items() if k in ("metadata", "spec")}
     for error in sorted(Draft7Validator(schema).iter_errors(document), key=lambda e: list(e.absolute_path)):
         errors.append(f"{'.'.join(map(str, error.absolute_path)) or '<root>'}: {error.message}")
     return errors
@@ -116,3 +135,16 @@ def the(kind: str) -> dict[str, Any]:
     found = [doc for path in manifest_files() for doc in load_documents(path) if doc.get("kind") == kind]
     assert len(found) == 1, f"expected one {kind} in k8s/, found {len(found)}"
     return copy.deepcopy(found[0])
+
+
+def break_path(manifest: dict, path: str, value) -> dict:
+    """Set (or with ``value`` None, delete) the dotted ``path``; numbers index lists."""
+    *parents, last = path.split(".")
+    node = manifest
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    if value is None:
+        del node[int(last) if last.isdigit() else last]
+    else:
+        node[int(last) if last.isdigit() else last] = value
+    return manifest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.manifests import close_objects, file_errors, load_documents, manifest_errors, manifest_files, the
+from tests.k8s.manifests import break_path, close_objects, file_errors, load_documents, manifest_errors, manifest_files, the
 
 
 @pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.name)
@@ -15,20 +15,7 @@ def test_manifest_validates(path):
 
 def test_k8s_holds_the_expected_kinds():
     kinds = sorted(doc["kind"] for path in manifest_files() for doc in load_documents(path))
-    assert kinds == ["PersistentVolumeClaim", "Pod", "PodMonitor", "RayService"], kinds
-
-
-def _break(manifest: dict, path: str, value) -> dict:
-    """Set (or with ``value`` None, delete) the dotted ``path``; numbers index lists."""
-    *parents, last = path.split(".")
-    node = manifest
-    for part in parents:
-        node = node[int(part)] if part.isdigit() else node[part]
-    if value is None:
-        del node[int(last) if last.isdigit() else last]
-    else:
-        node[int(last) if last.isdigit() else last] = value
-    return manifest
+    assert kinds == ["NetworkPolicy", "PersistentVolumeClaim", "Pod", "PodMonitor", "RayService"], kinds
 
 
 WORKER = "spec.rayClusterConfig.workerGroupSpecs.0"
@@ -54,7 +41,7 @@ def test_broken_rayservice_fails(path, value, expected):
         container = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
         container["resources"]["limits"]["nvidia.com/gpu"] = value
     else:
-        manifest = _break(the("RayService"), path, value)
+        manifest = break_path(the("RayService"), path, value)
     errors = manifest_errors(manifest)
     assert any(expected in line for line in errors), f"no error containing {expected!r}: {errors}"
 

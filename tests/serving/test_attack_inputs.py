@@ -5,11 +5,13 @@ restarted."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import pytest
 
-from tests.serving.helpers import MODEL, get_stats, wait_idle
+from tests.serving.helpers import HOST, HTTP_PORT, MODEL, get_stats, wait_idle
 
 pytestmark = pytest.mark.timeout(180, func_only=True)
 
@@ -67,6 +69,33 @@ def test_attack_input_is_never_a_5xx(before, server, client, path, raw):
 def test_a_huge_header_is_431(client):
     response = client.post(C, json=comp(), headers={"x-huge": "h" * (1 << 20)})
     assert response.status_code == 431, response.status_code
+
+
+def test_a_thousand_idle_streams_hold_nothing_once_closed(before, server, client):
+    """1,000 connections each send a streamed request and never read a byte: each is admitted (200) or refused
+    (429) like any request, the server keeps answering others meanwhile, and closing them gives everything back."""
+    body = json.dumps(comp(max_tokens=4, ignore_eos=True, stream=True)).encode()
+    head = (f"POST {C} HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    sockets = []
+    try:
+        for _ in range(1000):
+            sock = socket.create_connection((HOST, HTTP_PORT), timeout=10.0)
+            sock.sendall(head + body)
+            sockets.append(sock)
+        assert client.get("/health").status_code == 200
+        response = client.post(C, json=comp(max_tokens=2, ignore_eos=True))
+        assert response.status_code in (200, 429), response.text[:300]
+        deadline = time.monotonic() + 120.0
+        statuses = []
+        for sock in sockets:  # every one was answered: its status line is waiting, unread, in its socket
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            statuses.append(sock.recv(64).split(b" ", 2)[1])
+        assert set(statuses) <= {b"200", b"429"}, set(statuses)
+        assert b"200" in statuses
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def test_the_server_is_whole_afterwards(before, server, client):

@@ -5,6 +5,8 @@ and messages. A keyed app is deployed beside the open demo app, with two tenants
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -14,10 +16,12 @@ from tests.serving.helpers import BASE_URL, MODEL, assert_error_body, wait_idle
 
 pytestmark = pytest.mark.timeout(180, func_only=True)
 
-KEYS = {"tenant-a": "key-a-0123456789", "tenant-b": "key-b-9876543210", "tenant-c": "key-c-limited-000"}
+KEYS = {"tenant-a": "key-a-0123456789", "tenant-b": "key-b-9876543210", "tenant-c": "key-c-limited-000",
+        "tenant-d": "key-d-embedder-00"}
 # tenant-c is held to one request at a time and 1,200 tokens a minute (20 a second)
-LIMITS = {"tenant-c": {"max_concurrent_requests": 1, "tokens_per_minute": 1200}}
+LIMITS = {"tenant-c": {"max_concurrent_requests": 1, "tokens_per_minute": 1200}, "tenant-d": {"tokens_per_minute": 60}}
 PREFIX = "/secure"
+BODY_TIMEOUT_S = 3.0
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
 
 
@@ -25,7 +29,8 @@ COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": 
 def secure_app(ray_cluster, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "api-keys"
     keys_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
-    args = {**DEMO_APP_ARGS, "num_cpus_per_replica": 0.5, "api_keys_file": str(keys_file), "tenant_limits": LIMITS}
+    args = {**DEMO_APP_ARGS, "num_cpus_per_replica": 0.5, "api_keys_file": str(keys_file), "tenant_limits": LIMITS,
+            "body_timeout_s": BODY_TIMEOUT_S}
     yield deploy_app(args, name="secure", route_prefix=PREFIX, headers=bearer(KEYS["tenant-a"]))
     delete_app("secure")
 
@@ -161,6 +166,42 @@ def test_a_tenants_limits_give_429_with_a_retry_after_that_works(secure_app):
         assert "per minute" in error["message"]
         retry_after = float(refused.headers["retry-after"])
         assert 0 < retry_after <= 60
-        import time
         time.sleep(retry_after + 0.5)
         assert client.post("/v1/completions", json=big, headers=c).status_code == 200
+
+
+def test_a_trickled_body_is_cut_off_without_holding_a_slot(secure_app):
+    """tenant-c may have one request in flight: a client that sends its headers and a tenth of its body, then
+    nothing, gets 408 once the body's time is up, and meanwhile tenant-c's other requests go through."""
+    body = json.dumps(COMPLETION).encode()
+    head = (f"POST {PREFIX}/v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEYS['tenant-c']}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", 8000), timeout=BODY_TIMEOUT_S + 30.0) as slow:
+        started = time.monotonic()
+        slow.sendall(head + body[:len(body) // 10])
+        ok = httpx.post(secure_app + "/v1/completions", json=COMPLETION, headers=bearer(KEYS["tenant-c"]), timeout=30.0)
+        assert ok.status_code == 200, ok.text
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = slow.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"request_timeout" in answer
+    assert BODY_TIMEOUT_S - 0.5 <= waited <= BODY_TIMEOUT_S + 20.0, waited
+
+
+def test_embeddings_count_against_a_tenants_token_budget(secure_app):
+    """tenant-d has 60 tokens a minute: one embedding of a long input spends more than that (settled from its
+    usage), so the next is refused with a Retry-After, and other tenants' embeddings are not."""
+    body = {"model": MODEL, "input": "the quick brown fox jumps " * 20}
+    first = httpx.post(secure_app + "/v1/embeddings", json=body, headers=bearer(KEYS["tenant-d"]), timeout=60.0)
+    assert first.status_code == 200, first.text
+    assert first.json()["usage"]["prompt_tokens"] > 60
+    error = assert_error_body(httpx.post(secure_app + "/v1/embeddings", json=body, headers=bearer(KEYS["tenant-d"]),
+                                         timeout=60.0), 429)
+    assert "per minute" in error["message"]
+    other = httpx.post(secure_app + "/v1/embeddings", json=body, headers=bearer(KEYS["tenant-a"]), timeout=60.0)
+    assert other.status_code == 200, other.text
