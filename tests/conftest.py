@@ -8,6 +8,9 @@ ray_env.apply()  # the Serve settings `make run` and the image use, before any t
 import pytest
 import torch
 
+# The Ray cluster and demo app that tests/serving and tests/security share (one session cluster for both).
+pytest_plugins = ["tests.serving.fixtures"]
+
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on a CPU; it must be chosen before Triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,4 +1,5 @@
-"""One Ray cluster and one deployed demo app for the whole serving suite (Ray start-ups are expensive).
+"""One Ray cluster and one deployed demo app for the serving and security suites (Ray start-ups are expensive):
+a pytest plugin (``pytest_plugins`` in tests/conftest.py), so both directories share the one session cluster.
 
 ``ray_cluster`` (session): a fresh local Ray (never an existing one), metrics exported on :8080,
 Serve's HTTP proxy on 127.0.0.1:8000. ``demo_app`` (session): the demo-tiny app at ``/``.
@@ -27,9 +28,10 @@ RAY_NUM_CPUS = 4  # logical CPUs: the demo replica takes 1, the 2-replica app 2 
 
 
 def pytest_collection_modifyitems(config, items):
-    """A hard bound for every serving test, even one written without its own mark."""
+    """A hard bound for every serving and security test, even one written without its own mark."""
     for item in items:
-        if "tests/serving" in str(item.fspath) and item.get_closest_marker("timeout") is None:
+        path = str(item.fspath)
+        if ("tests/serving" in path or "tests/security" in path) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(DEFAULT_TEST_TIMEOUT_S, func_only=True))
 
 
