@@ -19,7 +19,7 @@ from engine.engine_core import EngineCoreProcess, StepReport, StepThread, parse_
 from engine.llm_engine import LLMEngine
 from engine.models.loader import read_model_source
 from engine.outputs import DeadlineUnmeetableError, RequestOutput
-from engine.request import Request
+from engine.request import Continuation, Request
 from engine.request_maker import PromptInput, RequestMaker
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.ttft_predictor import QueueView, check_deadline, predicts_for
@@ -101,17 +101,20 @@ class AsyncLLMEngine:
             yield output
 
     def submit(self, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
-               request_id: str | None = None, priority: int = 0) -> "RequestStream":
+               request_id: str | None = None, priority: int = 0,
+               continuations: dict[int, Continuation] | None = None) -> "RequestStream":
         """Validate and queue now (a bad request raises ``ValueError`` here), stream the outputs later.
 
-        Iterate the returned stream to the end, or leave it early to abort the request.
+        Iterate the returned stream to the end, or leave it early to abort the request. ``continuations``:
+        continue a request that ran elsewhere (``engine.request.Continuation``, by choice index).
         """
         self.check_health()
         self._loop = asyncio.get_running_loop()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        requests = self._maker.make_requests(request_id, prompt, params, priority)  # raises ValueError
+        requests = self._maker.make_requests(request_id, prompt, params, priority,  # raises ValueError
+                                             continuations=continuations)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         try:

@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner, RunnerOutput
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.prefill_lane import PrefillLane
-from engine.request import Request, RequestStatus
+from engine.request import Continuation, Request, RequestStatus
 from engine.sampler import SamplingBatch
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.scheduler import make_scheduler
@@ -159,9 +159,10 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt: PromptInput,
                       params: SamplingParams | PoolingParams | None = None, priority: int = 0,
-                      arrival_time: float | None = None) -> list[Request]:
+                      arrival_time: float | None = None,
+                      continuations: dict[int, Continuation] | None = None) -> list[Request]:
         """Validate and tokenize without touching the queue (safe from any thread): see ``RequestMaker``."""
-        return self.request_maker.make_requests(request_id, prompt, params, priority, arrival_time)
+        return self.request_maker.make_requests(request_id, prompt, params, priority, arrival_time, continuations)
 
     def enqueue(self, requests: list[Request]) -> None:
         parent = requests[0].parent_id
@@ -249,10 +250,11 @@ class LLMEngine:
         return check_deadline(requests, view, now, also_ahead)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    continuations: dict[int, Continuation] | None = None) -> None:
         if request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.enqueue(self.make_requests(request_id, prompt, params, priority, arrival_time))
+        self.enqueue(self.make_requests(request_id, prompt, params, priority, arrival_time, continuations))
 
     def abort_request(self, request_id: str) -> None:
         """End the request now: its blocks are free before the next step. Unknown ids are ignored."""

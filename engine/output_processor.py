@@ -32,6 +32,8 @@ class OutputProcessor:
             decoder = request.decoder
             if decoder is None:
                 decoder = request.decoder = self.tokenizer.decode_stream(request.params.skip_special_tokens)
+                for token_id in request.output_token_ids[:-1]:  # a continued sequence's earlier tokens (if any)
+                    request.text += decoder.step(token_id) or ""
             piece = decoder.step(request.output_token_ids[-1])
             if piece:
                 request.text += piece

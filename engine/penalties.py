@@ -31,11 +31,11 @@ class PenaltyState:
 
 class Penalties(PerRequestState[PenaltyState]):
     def apply(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams], request_ids: list[str],
-              prompts: list[list[int]]) -> torch.Tensor:
+              requests: list) -> torch.Tensor:
         """``logits`` [num_rows, vocab] with the adjustments of ``rows`` (which ask for some) applied; the others
-        as they are. ``params``, ``request_ids`` and ``prompts`` are per row of ``logits``."""
+        as they are. ``params``, ``request_ids`` and ``requests`` (engine ``Request``s) are per row of ``logits``."""
         vocab = logits.shape[1]
-        states = [self._state(request_ids[i], params[i], prompts[i], vocab, logits.device) for i in rows]
+        states = [self._state(request_ids[i], params[i], requests[i], vocab, logits.device) for i in rows]
         index = torch.tensor(rows, device=logits.device)
         x = logits.index_select(0, index)
         if any(s.bias is not None for s in states):
@@ -63,18 +63,21 @@ class Penalties(PerRequestState[PenaltyState]):
             if state is not None:
                 state.counts[token_ids[i]] += 1
 
-    def _state(self, request_id: str, params: SamplingParams, prompt: list[int], vocab: int,
+    def _state(self, request_id: str, params: SamplingParams, request, vocab: int,
                device: torch.device) -> PenaltyState:
         state = self._states.get(request_id)
         if state is None:
             mask = None
             if params.repetition_penalty != 1.0:
                 mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-                mask[torch.tensor(prompt, device=device)] = True
+                mask[torch.tensor(request.prompt_token_ids, device=device)] = True
             bias = None
             if params.logit_bias:
                 bias = torch.zeros(vocab, device=device)
                 ids, values = zip(*params.logit_bias)
                 bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=bias.dtype, device=device)
-            state = self._states[request_id] = PenaltyState(torch.zeros(vocab, device=device), mask, bias)
+            # A continued sequence (engine.request.Continuation) arrives with output: counted from the start.
+            counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.long),
+                                    minlength=vocab).to(device=device, dtype=torch.float32)
+            state = self._states[request_id] = PenaltyState(counts, mask, bias)
         return state

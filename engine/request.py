@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -15,11 +16,36 @@ from engine.sampling_params import SamplingParams
 _arrival_counter = itertools.count()
 
 
-def _generator(params: SamplingParams, index: int) -> torch.Generator | None:
-    """One generator per seeded request: its samples do not depend on who shares the batch."""
-    if params.seed is None:
-        return None
-    return torch.Generator().manual_seed((params.seed + 1_000_003 * index) % 2**64)
+def _generator(params: SamplingParams) -> torch.Generator | None:
+    """A generator per seeded sequence, re-seeded for each token it samples (``sampling_seed``)."""
+    return None if params.seed is None else torch.Generator()
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def sampling_seed(seed: int, index: int, position: int) -> int:
+    """The seed of the draw for output token ``position`` of choice ``index`` of a request seeded ``seed``.
+
+    A function of the three, not a generator's running state: the draw does not depend on who shares the batch,
+    nor on where the earlier tokens were drawn, so a sequence continued on another engine (``Continuation``)
+    draws what the first would have. (splitmix64's finaliser over the three mixed together.)"""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A sequence to be continued exactly where it stopped (on another engine, whose replica was lost or drained):
+    the tokens it generated so far and how many characters of their text the caller was already sent (text held
+    back for a possible stop string was not). The continued sequence counts those tokens as its output (against
+    ``max_tokens``, ``min_tokens``, penalties, a grammar, stop strings), recomputes their KV with the prompt's,
+    and emits only what follows."""
+
+    token_ids: tuple[int, ...]
+    text_len: int = 0
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +85,7 @@ class Request:
         index: int = 0,
         arrival_time: float | None = None,
         pool: bool = False,
+        continuation: Continuation | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -79,7 +106,7 @@ class Request:
         now = time.time() if arrival_time is None else arrival_time
         self.metrics = RequestMetrics(arrival_time=now)
         self.deadline = now + params.timeout_s if params.timeout_s is not None else None
-        self.generator = _generator(params, index)
+        self.generator = _generator(params)
         max_new = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_total_tokens = min(len(prompt_token_ids) + max_new, max_model_len)
         self.eos_token_ids = eos_token_ids
@@ -103,20 +130,27 @@ class Request:
         self.pooled_sum: torch.Tensor | None = None  # [hidden] float32, on the host
         # Whether the scheduler must look at this request's prompt chunks at all (the common request: never).
         self.has_prompt_work = self.prompt_logprobs is not None or pool or self.prefill_only
+        if continuation is not None:  # its earlier tokens count as output, were sent, and are computed again
+            self.output_token_ids = list(continuation.token_ids)
+            self.all_token_ids.extend(continuation.token_ids)
+            self.sent_token_len = len(continuation.token_ids)
+            self.sent_text_len = continuation.text_len
+            if self.logprobs is not None:
+                self.logprobs = [None] * len(continuation.token_ids)  # theirs were sent from the first engine
 
     def __getstate__(self) -> dict:
         """A request crosses to the engine's process before it runs (engine_core): without its generator (torch
-        cannot pickle one) and detokenizer, which a fresh request rebuilds as they were."""
+        cannot pickle one; it holds no state between draws) and detokenizer (built at its first token)."""
+        if self.decoder is not None:
+            raise ValueError("only a request that has not run yet can cross to another process")
         state = {name: getattr(self, name) for name in self.__slots__ if hasattr(self, name)}
-        state["generator"] = state["decoder"] = None
+        state["generator"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
         for name, value in state.items():
             setattr(self, name, value)
-        if self.output_token_ids:
-            raise ValueError("only a request that has not run yet can be unpickled (its generator's state is lost)")
-        self.generator = _generator(self.params, self.index)
+        self.generator = _generator(self.params)
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from engine.request import Request
+from engine.request import Continuation, Request
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.structured_output import Constraints, GrammarCompiler, StructuredOutput
 from engine.tokenizer import Tokenizer
@@ -41,10 +41,13 @@ class RequestMaker:
 
     def make_requests(self, request_id: str, prompt: PromptInput,
                       params: SamplingParams | PoolingParams | None = None, priority: int = 0,
-                      arrival_time: float | None = None) -> list[Request]:
+                      arrival_time: float | None = None,
+                      continuations: dict[int, Continuation] | None = None) -> list[Request]:
         """Validate and tokenize without touching the queue (safe from any thread).
 
-        ``PoolingParams`` make an embedding request: prefill-only work whose output carries ``embedding``."""
+        ``PoolingParams`` make an embedding request: prefill-only work whose output carries ``embedding``.
+        ``continuations``: the request ran elsewhere and is continued here; by choice index, where each choice
+        stopped (a choice not named had finished: it is not made again)."""
         params = params or SamplingParams()
         pool = isinstance(params, PoolingParams)
         if pool:
@@ -72,12 +75,31 @@ class RequestMaker:
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({self.max_model_len}){self._max_model_len_note}")
+        choices = dict.fromkeys(range(params.n)) if continuations is None else self._check_continuations(
+            continuations, params, len(token_ids))
         # Sequences get internal ids nobody can choose, so a user id can never alias another's sequence.
-        ids = [f"{next(self._sequence_ids)}" for _ in range(params.n)]
-        return [Request(rid, token_ids, params, max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                        prompt=text, priority=priority, parent_id=request_id, index=i, arrival_time=arrival_time,
-                        pool=pool)
-                for i, rid in enumerate(ids)]
+        return [Request(f"{next(self._sequence_ids)}", token_ids, params, max_model_len=self.max_model_len,
+                        eos_token_ids=self.eos_token_ids, prompt=text, priority=priority, parent_id=request_id,
+                        index=i, arrival_time=arrival_time, pool=pool, continuation=continuation)
+                for i, continuation in choices.items()]
+
+    def _check_continuations(self, continuations: dict[int, Continuation], params: SamplingParams,
+                             num_prompt_tokens: int) -> dict[int, Continuation]:
+        if params.output_kind != "delta":
+            raise ValueError("continuations: only a request with output_kind 'delta' can be continued (the tokens "
+                             "before were sent by another engine)")
+        if not continuations or any(not isinstance(i, int) or not 0 <= i < params.n for i in continuations):
+            raise ValueError(f"continuations: choice indices must be in [0, {params.n}) and at least one is needed")
+        limit = min(self.max_model_len, num_prompt_tokens + (params.max_tokens or self.max_model_len))
+        for i, continuation in continuations.items():
+            ids = continuation.token_ids
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                raise ValueError(f"continuations: choice {i}'s token ids must be in [0, {self.vocab_size})")
+            if num_prompt_tokens + len(ids) >= limit:
+                raise ValueError(f"continuations: choice {i} has nothing left to generate ({len(ids)} tokens)")
+            if continuation.text_len < 0:
+                raise ValueError("continuations: text_len must be >= 0")
+        return dict(sorted(continuations.items()))
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -1,7 +1,8 @@
 """Pick the next token of each sampled row: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Rows are processed together; only the random draw is per request when it has its own seed, so a
-seeded request gets the same tokens whatever else shares the batch. Sampling uses the
+seeded request gets the same tokens whatever else shares the batch, and each of its draws is seeded by
+(seed, choice, output position) alone, so a sequence continued elsewhere draws the same. Sampling uses the
 exponential race (argmax of p / Exp(1) noise), which is a draw from p with one noise vector per row.
 """
 
@@ -13,6 +14,7 @@ from typing import Callable
 import torch
 
 from engine.penalties import Penalties
+from engine.request import sampling_seed
 from engine.sampling_params import SamplingParams
 from engine.structured_output import Constraints, GrammarCompiler
 
@@ -63,10 +65,10 @@ class Sampler:
             penalised = [i for i in adjusted if params[i].penalised]
             constrained = [i for i in adjusted if params[i].structured_output is not None]
             if penalised:
-                logits = self.penalties.apply(logits, penalised, params, ids,
-                                              [r.prompt_token_ids for r in batch.requests])
+                logits = self.penalties.apply(logits, penalised, params, ids, batch.requests)
             if constrained:
-                logits = self.constraints.mask(logits, constrained, [p.structured_output for p in params], ids)
+                logits = self.constraints.mask(logits, constrained, [p.structured_output for p in params], ids,
+                                               [r.output_token_ids for r in batch.requests])
         logits = self._mask_early_stops(logits, batch)
         token_ids = self._pick(logits, batch)
         if adjusted:
@@ -109,8 +111,11 @@ class Sampler:
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
         for j, i in enumerate(random_rows):
-            if batch.generators[i] is not None:
-                noise[j].exponential_(generator=batch.generators[i])
+            generator = batch.generators[i]
+            if generator is not None:  # the draw for this output position of this choice (sampling_seed)
+                request = batch.requests[i]
+                generator.manual_seed(sampling_seed(params[i].seed, request.index, batch.num_output_tokens[i]))
+                noise[j].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         out = greedy.clone()
         out[rows] = sampled

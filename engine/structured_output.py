@@ -161,15 +161,19 @@ class Constraints(PerRequestState[Any]):
         return self._compiler.compile(constraint)
 
     def mask(self, logits: torch.Tensor, rows: list[int], constraints: list[StructuredOutput],
-             request_ids: list[str]) -> torch.Tensor:
+             request_ids: list[str], generated: list[list[int]]) -> torch.Tensor:
         """``logits`` with each of ``rows`` limited to the tokens its grammar allows next (a matcher that has
-        finished, stop token included, leaves its row as it is)."""
+        finished, stop token included, leaves its row as it is). ``generated``: each row's output so far, which a
+        new matcher replays (a sequence continued from another engine arrives with output)."""
         live = []
         for i in rows:
             matcher = self._states.get(request_ids[i])
             if matcher is None:
                 grammar = self.compile(constraints[i])
                 matcher = self._states[request_ids[i]] = self._compiler._xgr.GrammarMatcher(grammar)
+                for token_id in generated[i]:
+                    if not matcher.accept_token(token_id):
+                        break  # not this grammar's output: the mask from here is the grammar's best
             if not matcher.is_terminated():
                 live.append((i, matcher))
         if not live:
