@@ -46,22 +46,25 @@ class NoWorkEngine:
         if params.structured_output is not None:
             raise ValueError("structured_outputs: the no-work engine generates no text to constrain")
 
-    def submit(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0) -> RequestStream:
+    def submit(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
+               continuations: dict | None = None) -> RequestStream:
         if not isinstance(prompt, list):
             raise ValueError("prompt: the no-work engine takes token-id prompts only")
-        return RequestStream(request_id, list(prompt), self._tokens(request_id, list(prompt), params))
+        done_already = max((len(c.token_ids) for c in (continuations or {}).values()), default=0)
+        return RequestStream(request_id, list(prompt), self._tokens(request_id, list(prompt), params, done_already))
 
-    async def _tokens(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def _tokens(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      done_already: int = 0) -> AsyncIterator[RequestOutput]:
+        """Delta outputs (what the replica asks for): one token each, after a step's sleep."""
         metrics = RequestMetrics(arrival_time=time.time())
         num_tokens = params.max_tokens or 16
         self.num_running += 1
         try:
-            for i in range(num_tokens):
+            for i in range(done_already, num_tokens):
                 await asyncio.sleep(STEP_S)
                 done = i + 1 == num_tokens
-                output = CompletionOutput(0, [TOKEN_ID] * (i + 1), TOKEN_TEXT * (i + 1), [TOKEN_ID], TOKEN_TEXT,
-                                          "length" if done else None)
-                yield RequestOutput(request_id, None, prompt, [output], done, metrics)
+                output = CompletionOutput(0, [TOKEN_ID], TOKEN_TEXT, [TOKEN_ID], TOKEN_TEXT, "length" if done else None)
+                yield RequestOutput(request_id, None, prompt if i == done_already else None, [output], done, metrics)
         finally:
             self.num_running -= 1
 

@@ -14,6 +14,8 @@ from serve_app.config import AppConfig
 from serve_app.replica import LLMReplica
 from serve_app.router import Router
 
+ROUTER_DRAIN_EXTRA_S = 60.0
+
 
 def build_app(args: dict[str, Any]):
     """Serve's application builder: ``args`` from the config file or ``serve run ... key=value``."""
@@ -40,6 +42,10 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 10.0,
         "logging_config": logging_config,
+        # Draining (scale-down, redeploy): requests in flight get drain_timeout_s to finish; Serve then stops the
+        # replica and the router continues what is left on another replica (serve_app.router, max_migrations).
+        "graceful_shutdown_timeout_s": config.drain_timeout_s,
+        "graceful_shutdown_wait_loop_s": 1.0,
     }
     if config.autoscaling_config:
         replica_options["autoscaling_config"] = config.autoscaling_config
@@ -59,5 +65,7 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
     router = serve.deployment(Router).options(
         num_replicas=config.router_replicas, max_ongoing_requests=config.max_pending_requests * 4,
         ray_actor_options=router_actor_options, logging_config=logging_config,
+        # A router holds its clients' connections: it has the replicas' drain and a minute more for migrations.
+        graceful_shutdown_timeout_s=config.drain_timeout_s + ROUTER_DRAIN_EXTRA_S, graceful_shutdown_wait_loop_s=1.0,
     )
     return router.bind(replicas, config.router_config())

@@ -21,6 +21,7 @@ class RouterConfig(BaseModel):
     max_pending_requests: int = Field(default=256, ge=1)  # in flight through one router; more get 429
     default_timeout_s: float = Field(default=120.0, gt=0)  # deadline when a request brings no `timeout`
     max_attempts: int = Field(default=3, ge=1)  # tries of a request whose replica died before it started
+    max_migrations: int = Field(default=3, ge=0)  # continuations of a request whose replica was lost mid-way
     api_keys_file: str | None = None  # serve_app.gate: one "tenant key" a line (and INFLIGHT_API_KEYS)
     body_timeout_s: float = Field(default=30.0, gt=0)  # serve_app.gate: a body not received whole by then is a 408
     tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
@@ -47,6 +48,13 @@ class AppConfig(BaseModel):
     max_pending_requests: int = Field(default=256, ge=1)
     default_timeout_s: float = Field(default=120.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
+    # A request whose replica is lost mid-generation continues on another from the tokens already sent, exactly
+    # (same stream, nothing repeated or missing), this many times at most (serve_app.router).
+    max_migrations: int = Field(default=3, ge=0)
+    # A replica being stopped (scale-down, a redeploy with a changed config, a node drained) takes no new request
+    # and has this long to finish its requests (Serve's graceful_shutdown_timeout_s); the rest then continue on
+    # other replicas (max_migrations). A router being replaced finishes its streams within this plus a minute.
+    drain_timeout_s: float = Field(default=30.0, gt=0)
     routing_policy: Literal["least_loaded", "power_of_two", "round_robin", "prefix_affinity"] = "least_loaded"
     routing_stats_period_s: float = Field(default=0.5, gt=0)
     router_replicas: int = Field(default=1, ge=1)
@@ -115,6 +123,7 @@ class AppConfig(BaseModel):
         return RouterConfig(served_model_name=self.model_name, model=self.model, routing_policy=self.routing_policy,
                             max_pending_requests=self.max_pending_requests,
                             default_timeout_s=self.default_timeout_s, max_attempts=self.max_attempts,
+                            max_migrations=self.max_migrations,
                             api_keys_file=self.api_keys_file, tenant_limits=self.tenant_limits,
                             default_tenant_limits=self.default_tenant_limits, body_timeout_s=self.body_timeout_s)
 

@@ -101,3 +101,5 @@ class RouterMetrics:
                                                  description="requests refused by a tenant's limits (429)",
                                                  tag_keys=("tenant",))
         self.timeouts = metrics.Counter("llm_request_timeouts", description="requests ended by their deadline")
+        self.migrations = metrics.Counter("llm_migrations", description="requests continued on another replica "
+                                          "mid-generation, by why the first one stopped", tag_keys=("reason",))

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 import ray
 from ray import serve
 
-from engine import AsyncLLMEngine, DeadlineUnmeetableError, PoolingParams, SamplingParams
+from engine import AsyncLLMEngine, Continuation, DeadlineUnmeetableError, PoolingParams, SamplingParams
 from engine.outputs import RequestOutput
 from serve_app.admission import DrainRate
 from serve_app.autoscaling import autoscaling_metrics
@@ -64,7 +64,8 @@ class LLMReplica:
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self._ensure_stats_task()
-        refusal = self._refuse_if_full(self.engine.stats()["num_waiting"])
+        # A request continued from a lost replica was admitted once: it is not refused for a full queue here.
+        refusal = None if "continue_from" in request else self._refuse_if_full(self.engine.stats()["num_waiting"])
         if refusal is not None:
             yield refusal
             return
@@ -76,7 +77,8 @@ class LLMReplica:
                                     output_kind="delta")
             await self.engine.check_structured_output(params, STRUCTURED_COMPILE_TIMEOUT_S)  # off the event loop
             stream = self.engine.submit(prompt, params, request_id=request["request_id"],
-                                        priority=request.get("priority", 0))
+                                        priority=request.get("priority", 0),
+                                        continuations=_continuations(request.get("continue_from")))
         except ValueError as e:
             yield {"error": BadRequestError(str(e), param=param_of_value_error(str(e))).to_dict()}
             return
@@ -174,8 +176,10 @@ class LLMReplica:
         """The message for one delta output (see ``generate``)."""
         choices = []
         for completion in output.outputs:
-            choice = {"index": completion.index, "text": completion.text, "num_tokens": len(completion.token_ids),
-                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+            # The token ids too: the router keeps them, to continue the request elsewhere if this replica is lost.
+            choice = {"index": completion.index, "text": completion.text, "token_ids": completion.token_ids,
+                      "num_tokens": len(completion.token_ids), "finish_reason": completion.finish_reason,
+                      "stop_reason": completion.stop_reason}
             if completion.logprobs is not None:
                 choice["logprobs"] = [_logprob_entry(entry, token_id, num_top)
                                       for entry, token_id in zip(completion.logprobs, completion.token_ids)]
@@ -262,6 +266,14 @@ class LLMReplica:
             await asyncio.sleep(STATS_PERIOD_S)
 
 
+def _continuations(continue_from: list[dict[str, Any]] | None) -> dict[int, Continuation] | None:
+    """The router's ``continue_from`` (a request that ran on a replica since lost or drained): per unfinished
+    choice its index, the token ids the client got and the characters of text it was sent."""
+    if continue_from is None:
+        return None
+    return {c["index"]: Continuation(tuple(c["token_ids"]), c["text_len"]) for c in continue_from}
+
+
 async def _final_output(stream) -> RequestOutput:
     output = None
     async for output in stream:
@@ -298,6 +310,7 @@ class _Echo:
             return
         self.done.add(choice["index"])
         choice["text"] = self.text + choice["text"]
+        choice["echoed"] = len(self.text)  # not generated text: the router's record of what was sent skips it
         if self.num_top is None:
             return
         if self.entries is None:
@@ -319,6 +332,7 @@ def _merge_chunks(held: dict[str, Any] | None, new: dict[str, Any]) -> dict[str,
             held["choices"].append(choice)
             continue
         old["text"] += choice["text"]
+        old["token_ids"] = old["token_ids"] + choice["token_ids"]
         old["num_tokens"] += choice["num_tokens"]
         old["finish_reason"], old["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
         if "logprobs" in choice:

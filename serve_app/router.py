@@ -1,21 +1,24 @@
-"""``Router``: the ingress deployment. OpenAI HTTP API, admission control, deadlines, retries.
+"""``Router``: the ingress deployment. OpenAI HTTP API, admission control, deadlines, migration.
 
 A request's path: parse and validate (400 with OpenAI's error body), check the model (404), take an
 admission slot or answer 429 with Retry-After, then open a stream to a replica through the handle
 (the request router picks which). The replica's first message says the request is queued (or why
 not); after that the router relays chunks as SSE or gathers them into one JSON body. A replica
-that dies before any token reached the client is retried elsewhere, a bounded number of times (a
-non-streaming request has sent the client nothing until it ends, so it is restarted even
-mid-generation); one that dies mid-stream ends the stream with an error event (code
-``replica_lost``). The deadline (``timeout``, or the configured default) covers queueing, prefill
-and decode: the engine ends the request when it passes, and the router cancels the replica call if
-even that does not come back in time.
+that dies before it answered is retried elsewhere (``max_attempts``); one that dies (or is drained)
+mid-generation costs the client nothing: the router keeps what it relayed of each choice (its token
+ids and text) and continues the request on another replica from there (``max_migrations``), on the
+same stream, exactly: greedy and seeded choices go on as they would have (the router seeds a sampled
+request that brought no seed), text held back for stop strings is still held, nothing is sent twice.
+The deadline (``timeout``, or the configured default) covers queueing, prefill and decode: the engine
+ends the request when it passes, and the router cancels the replica call if even that does not come
+back in time.
 """
 
 # No `from __future__ import annotations`: FastAPI must see real types on the ingress methods.
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 import weakref
@@ -94,6 +97,12 @@ def _reject_lone_surrogates(data: Any) -> None:
             stack.extend(item)
 
 
+def _seeded(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with a seed of the router's when the client gave none: a sampled request can then be continued
+    on another replica exactly (its draws are a function of the seed and the output position)."""
+    return params if params.get("seed") is not None else {**params, "seed": secrets.randbits(63)}
+
+
 def _tokens_to_reserve(body, kind: str) -> int:
     """A request's tokens before they are known: its prompts at ~4 characters a token (token ids as they are)
     and its output bound (``max_tokens``, else 256), for each of its ``n`` choices; an embedding's inputs alone."""
@@ -110,7 +119,44 @@ def _tokens_to_reserve(body, kind: str) -> int:
 
 
 class ReplicaLost(Exception):
-    """The replica serving a request went away after tokens were sent: the stream cannot be resumed."""
+    """The replicas serving a request went away more often than ``max_migrations``: it cannot be continued."""
+
+
+class _Progress:
+    """What the client has been sent of one prompt's choices (the replicas' chunks as relayed): per choice its
+    token ids, the length of its text and whether it ended. Enough to continue the request on another replica
+    exactly (``continued``): the engine counts those tokens as output, holds back what was held back, and a
+    sampled choice draws what it would have drawn (its seed's draws depend on the output position only)."""
+
+    def __init__(self, n: int) -> None:
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.text_len = [0] * n
+        self.ended = [False] * n
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk["choices"]:
+            i = choice["index"]
+            self.token_ids[i].extend(choice["token_ids"])
+            self.text_len[i] += len(choice["text"]) - choice.get("echoed", 0)  # the generated text's characters
+            self.ended[i] = self.ended[i] or choice["finish_reason"] is not None
+
+    @property
+    def finished(self) -> bool:
+        return all(self.ended)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    def continued(self, payload: dict[str, Any], migration: int) -> dict[str, Any]:
+        """``payload`` continued from here: its unfinished choices, from what the client has; the prompt's
+        echo and prompt logprobs were sent already."""
+        params = {k: v for k, v in payload["params"].items() if k != "prompt_logprobs"}
+        continue_from = [{"index": i, "token_ids": self.token_ids[i], "text_len": self.text_len[i]}
+                         for i in range(len(self.ended)) if not self.ended[i]]
+        # Not refused as unmeetable: it was admitted once; its deadline still ends it.
+        return {**payload, "request_id": f"{payload['request_id']}-m{migration}", "params": params, "echo": False,
+                "client_timeout": False, "continue_from": continue_from}
 
 
 def _lost_reason(error: BaseException) -> str:
@@ -374,7 +420,7 @@ class Router:
             except ValueError as e:
                 raise BadRequestError(str(e), param="messages") from None
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            params = {**body.sampling_kwargs(body.max_new_tokens(), logprobs), **salt}
+            params = _seeded({**body.sampling_kwargs(body.max_new_tokens(), logprobs), **salt})
             tools = template_tools(body.tools)
             payload = {"kind": "chat", "request_id": base_id, "messages": messages, "params": params,
                        "priority": body.priority, "client_timeout": body.timeout is not None,
@@ -388,7 +434,7 @@ class Router:
             return [payload]
         params = {**body.completion_sampling_kwargs(), **salt}
         payloads = [{"kind": "completion", "request_id": base_id if i == 0 else f"{base_id}-{i}", "prompt": prompt,
-                     "params": params, "priority": body.priority, "client_timeout": body.timeout is not None,
+                     "params": _seeded(params), "priority": body.priority, "client_timeout": body.timeout is not None,
                      "echo": body.echo}
                     for i, prompt in enumerate(body.prompts())]
         if self.tokenizer is not None:
@@ -450,11 +496,14 @@ class Router:
                                       f"the last one failed because {reason}", code="replica_lost")
 
     async def _chunks(self, payload: dict[str, Any], deadline: float) -> AsyncIterator[dict[str, Any]]:
-        """The replica's messages for one prompt, retrying on another replica while nothing was relayed."""
+        """The replica's messages for one prompt. A replica lost mid-request is not the client's problem: the
+        request continues on another replica from the tokens relayed so far (``_Progress``: exactly, nothing
+        repeated or missing), at most ``max_migrations`` times; a replica lost before it answered is retried."""
         gen, first = await self._open(payload, deadline)
+        progress = _Progress(payload["params"].get("n", 1))
+        progress.add(first)
         yield first
-        relayed_tokens = sum(c["num_tokens"] for c in first["choices"])
-        attempt = 0
+        migrations = 0
         try:
             while True:
                 try:
@@ -463,13 +512,16 @@ class Router:
                 except StopAsyncIteration:
                     return
                 except REPLICA_GONE as e:
-                    logger.warning("replica lost during request %s after %d tokens: %r", payload["request_id"],
-                                   relayed_tokens, e)
-                    if relayed_tokens or attempt + 1 >= self.config.max_attempts:
-                        raise ReplicaLost(f"the response was cut off after {relayed_tokens} tokens because "
-                                          f"{_lost_reason(e)}; send the request again") from None
-                    attempt += 1
-                    gen, chunk = await self._open(payload, deadline, attempt_base=attempt)  # its first tokens too
+                    if progress.finished:  # lost after its last tokens were relayed: nothing is missing
+                        return
+                    if migrations >= self.config.max_migrations:
+                        raise ReplicaLost(f"the response was cut off after {progress.num_tokens} tokens because "
+                                          f"{_lost_reason(e)}, {migrations} times; send the request again") from None
+                    migrations += 1
+                    self.metrics.migrations.inc(tags={"reason": "replica_lost"})
+                    logger.warning("request %s: replica lost after %d tokens (%r); continuing it on another replica "
+                                   "(migration %d)", payload["request_id"], progress.num_tokens, e, migrations)
+                    gen, chunk = await self._open(progress.continued(payload, migrations), deadline)
                 except asyncio.TimeoutError:
                     self.metrics.timeouts.inc()  # the router's own deadline guard fired, not the engine's
                     raise RequestTimeoutError("request timed out", code="timeout") from None
@@ -478,7 +530,7 @@ class Router:
                 except Exception as e:
                     logger.exception("replica failed during request %s", payload["request_id"])
                     raise ServerError(f"replica failed: {type(e).__name__}") from None
-                relayed_tokens += sum(c["num_tokens"] for c in chunk["choices"])
+                progress.add(chunk)
                 yield chunk
         finally:
             gen.cancel()  # a no-op when finished; aborts the engine request when we leave early
@@ -518,23 +570,17 @@ class Router:
         return R.completion_response(request_id, self.model_name, choices, prompt_tokens, body.logprobs is not None)
 
     async def _collect(self, payload: dict[str, Any], n: int, deadline: float) -> tuple[list[R.ChoiceState], int]:
-        """One prompt's whole response. The client sees nothing before it is complete, so a replica lost
-        mid-generation costs a restart on another replica rather than an error (bounded by ``max_attempts``)."""
-        for restart in range(self.config.max_attempts):
-            attempt = payload if not restart else {**payload, "request_id": f"{payload['request_id']}-restart{restart}"}
-            states = [R.ChoiceState(i) for i in range(n)]
-            prompt_tokens = 0
-            try:
-                async for chunk in self._chunks(attempt, deadline):
-                    if chunk.get("started"):
-                        prompt_tokens = chunk["prompt_tokens"]
-                    for choice in chunk["choices"]:
-                        states[choice["index"]].add(choice)
-                break
-            except ReplicaLost as e:
-                if restart + 1 >= self.config.max_attempts:
-                    raise ServiceUnavailableError(str(e), code="replica_lost") from None
-                logger.warning("restarting request %s on another replica: %s", payload["request_id"], e)
+        """One prompt's whole response (a replica lost on the way is replaced as for a stream: ``_chunks``)."""
+        states = [R.ChoiceState(i) for i in range(n)]
+        prompt_tokens = 0
+        try:
+            async for chunk in self._chunks(payload, deadline):
+                if chunk.get("started"):
+                    prompt_tokens = chunk["prompt_tokens"]
+                for choice in chunk["choices"]:
+                    states[choice["index"]].add(choice)
+        except ReplicaLost as e:
+            raise ServiceUnavailableError(str(e), code="replica_lost") from None
         if any(s.finish_reason == "timeout" for s in states):
             raise RequestTimeoutError("request timed out (queueing, prefill and decode)", code="timeout")
         if any(s.finish_reason == "abort" for s in states):

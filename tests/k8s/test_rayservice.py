@@ -131,3 +131,15 @@ def test_models_loader_fills_the_pvc_where_the_config_looks(rayservice):
     model = _app_args(rayservice)["model"]
     assert f"local_dir='{model}'" in " ".join(container["command"])
     assert [m["mountPath"] for m in container["volumeMounts"]] == [str(Path(model).parent)]
+
+
+def test_pods_outlive_the_apps_drain(rayservice):
+    """A stopping pod's replicas have drain_timeout_s to finish or hand over their requests, and its routers a
+    minute more for their streams: Kubernetes must not kill the pod before (terminationGracePeriodSeconds)."""
+    from serve_app.app import ROUTER_DRAIN_EXTRA_S
+
+    drain = AppConfig.model_validate(_app_args(rayservice)).drain_timeout_s
+    cluster = _cluster(rayservice)
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        assert template["spec"]["terminationGracePeriodSeconds"] > drain + ROUTER_DRAIN_EXTRA_S
