@@ -8,6 +8,12 @@ its MLP projections 10-25% less; prefill chunks of 1-2k rows run 5-12% faster to
 over packing only up to 512 rows, alternating runs). A single row is faster on the plain weight (MKL's
 gemv), so both stay: the packed copy costs the linear weights' memory once more, which is why this
 is a CPU pass for float32 and not the default elsewhere.
+
+oneDNN keeps a primitive (JIT code and buffers) for every row count it has seen, about 0.6 MB each here and
+never given back: with prompts of every length, an engine's memory grew by ~700 MB over its first few
+thousand requests (found by benchmarks.soak). So the rows are padded up to one of ~130 sizes (exact up to 16,
+then at most 1/16 apart): memory stays bounded, at the cost of computing <= 6% more rows in a prefill chunk.
+A row's result does not depend on the rows beside it (checked bit for bit: tests/engine/test_cpu_packing.py).
 """
 
 from __future__ import annotations
@@ -19,15 +25,30 @@ import torch.nn.functional as F
 from torch import nn
 
 MIN_PACKED_ROWS = 2  # fewer rows than this: MKL's gemv on the plain weight
+EXACT_ROWS = 16  # row counts up to this are used as they are (decode batches); above, padded to a bucket
 
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to the next of a bounded set of sizes: exact up to ``EXACT_ROWS``, then in steps of a
+    sixteenth of the power of two below (17-31 by 1, 32-63 by 2, ..., 1024-2047 by 64)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 5)
+    return -(-rows // step) * step
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.shape[0] >= MIN_PACKED_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return out[:rows] if padded != rows else out
     return F.linear(x, self.weight, self.bias)
 
 

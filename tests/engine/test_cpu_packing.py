@@ -48,3 +48,26 @@ def test_only_float32_cpu_linears_are_packed():
     with torch.inference_mode():
         assert cpu_packing.pack_linear_weights(model) == 1
     assert hasattr(model[0], "packed_weight") and not hasattr(model[1], "packed_weight")
+
+
+def test_row_counts_are_padded_to_a_bounded_set_of_sizes():
+    """oneDNN keeps a primitive per row count it sees: the padded sizes bound how many (and its memory)."""
+    sizes = {cpu_packing.padded_rows(rows) for rows in range(2, 8193)}
+    assert len(sizes) <= 200
+    for rows in range(2, 8193):
+        padded = cpu_packing.padded_rows(rows)
+        assert rows <= padded <= rows * 17 / 16 and (rows > cpu_packing.EXACT_ROWS or padded == rows)
+
+
+@pytest.mark.parametrize("rows", [33, 67, 300, 777, 2047])
+def test_a_padded_row_count_gives_each_row_the_same_bits(rows):
+    """A row's result does not depend on the padding rows beside it, bit for bit (exactness across batch sizes
+    and continuations depends on it)."""
+    model = make_model()
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        cpu_packing.pack_linear_weights(model)
+        layer = model[0]
+        alone = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
+        assert cpu_packing.padded_rows(rows) != rows
+        assert torch.equal(layer(x), alone)
