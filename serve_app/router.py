@@ -33,6 +33,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from serve_app import responses as R
 from serve_app.admission import AdmissionController, TenantLimiter
@@ -392,7 +393,10 @@ class Router:
             slot.release()
 
     async def _parse(self, http: Request, schema: type):
-        raw = await http.body()
+        try:
+            raw = await http.body()
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer, nothing to log as an error
+            raise BadRequestError("the client disconnected before sending the whole request body") from None
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -15,7 +15,7 @@ import pytest
 
 from tests.multinode.cluster import HTTP_BASE, REPLICA_ARGS, wait_until
 from tests.serving.apps import deploy_app
-from tests.serving.helpers import MODEL, SSEStream, assert_schema, get_stats, parse_sse, wait_for_stats, wait_idle
+from tests.serving.helpers import MODEL, SSEStream, get_stats, parse_sse, wait_for_stats, wait_idle
 
 APP_NAME = "nodes"
 MAX_NUM_SEQS = REPLICA_ARGS["engine_args"]["max_num_seqs"]
@@ -76,12 +76,12 @@ def test_traffic_is_balanced_across_nodes(app, cluster):
     assert min(served.values()) >= num_requests // 4, f"{num_requests} requests split {served} over two idle nodes"
 
 
-@pytest.mark.timeout(150, func_only=True)
+@pytest.mark.timeout(240, func_only=True)
 def test_worker_node_lost_under_streaming_load(app, cluster):
     """Fill both replicas with long requests (6 streams, 2 non-streaming), queue short ones behind them, then
-    kill the node of the replica with most waiting. Streams it was generating end with a clear error event;
-    its non-streaming and queued requests (the client saw nothing of them yet) are redone on the other node;
-    nothing hangs; the surviving node keeps serving."""
+    kill the node of the replica with most waiting. Every request it held, streams mid-generation included,
+    continues on the other node and completes (issue 17: migration); nothing hangs; the surviving node keeps
+    serving."""
     wait_idle(app, timeout=20, num_replicas=2)
     long_tokens, short_tokens, num_streams = 1500, 16, 6
     outcome: dict = {}
@@ -90,6 +90,8 @@ def test_worker_node_lost_under_streaming_load(app, cluster):
         async with httpx.AsyncClient(timeout=120.0, limits=httpx.Limits(max_connections=64)) as client:
             long_bodies = [{"model": MODEL, "prompt": f"long {i}", "max_tokens": long_tokens, "ignore_eos": True,
                             "stream": i < num_streams} for i in range(2 * MAX_NUM_SEQS)]
+            for body in long_bodies[:num_streams]:
+                body["stream_options"] = {"include_usage": True}
 
             async def long_stream(i):
                 async with client.stream("POST", app + "/v1/completions", json=long_bodies[i]) as response:
@@ -119,11 +121,11 @@ def test_worker_node_lost_under_streaming_load(app, cluster):
             outcome["victim_node"] = victim["node_id"]
             await asyncio.to_thread(cluster.remove_worker, victim["node_id"])
             removed_at = time.monotonic()
-            _, pending = await asyncio.wait(streams + unary + queued, timeout=60)
+            _, pending = await asyncio.wait(streams + unary + queued, timeout=150)
             outcome["ended_within_s"] = time.monotonic() - removed_at
             for task in pending:
                 task.cancel()
-            assert not pending, f"{len(pending)} requests still open 60 s after the node was removed"
+            assert not pending, f"{len(pending)} requests still open 150 s after the node was removed"
             outcome["streams"] = [t.result() for t in streams]
             outcome["unary"] = [t.result() for t in unary]
             outcome["queued"] = [t.result() for t in queued]
@@ -131,25 +133,12 @@ def test_worker_node_lost_under_streaming_load(app, cluster):
     asyncio.run(run())
     print(f"removed node {outcome['victim_node'][:8]}; every request ended {outcome['ended_within_s']:.1f}s after")
 
-    finished, broken = 0, 0
-    for status, stream in outcome["streams"]:
+    for status, stream in outcome["streams"]:  # those on the lost node continued on the other: all complete
         assert status == 200, stream
-        assert stream.done, "every stream ends with [DONE], even a broken one"
-        if stream.errors:
-            broken += 1
-            (error,) = stream.errors
-            assert stream.events[-1] is error, stream.events[-3:]
-            assert_schema("ErrorResponse", error)
-            assert (error["error"]["type"], error["error"]["code"]) == ("service_unavailable", "replica_lost"), error
-            message = error["error"]["message"]
-            assert "cut off after" in message and "send the request again" in message, message
-            assert "rpc" not in message.lower() and "\\x" not in message, f"Ray internals leak to the client: {message}"
-        else:
-            finished += 1
-            reasons = [ch["finish_reason"] for c in stream.chunks for ch in c["choices"] if ch["finish_reason"]]
-            assert reasons == ["length"], reasons
-    assert broken >= 1, "the lost node's replica was generating streams: at least one must end with an error event"
-    assert finished >= 1, "the surviving node's streams must finish"
+        assert stream.done and not stream.errors, stream.errors
+        reasons = [ch["finish_reason"] for c in stream.chunks for ch in c["choices"] if ch["finish_reason"]]
+        assert reasons == ["length"], reasons
+        assert stream.usage["completion_tokens"] == long_tokens
     for status, result in outcome["unary"]:  # the client saw nothing yet: redone elsewhere, complete
         assert status == 200, f"a non-streaming request failed instead of being redone: {status} {result}"
         assert result["usage"]["completion_tokens"] == long_tokens

@@ -248,19 +248,7 @@ def test_streams_cut_by_a_killed_replica_continue_exactly(two, ray_cluster):
         wait_idle(two, timeout=30, num_replicas=2)
         victim_id = None
         async with httpx.AsyncClient(timeout=120.0, limits=httpx.Limits(max_connections=64)) as client:
-            started = [asyncio.Event() for _ in bodies]
-
-            async def stream(i):
-                async with client.stream("POST", two + "/v1/completions", json=bodies[i]) as response:
-                    raw = ""
-                    async for text in response.aiter_text():
-                        raw += text
-                        if '"text":' in raw:
-                            started[i].set()
-                started[i].set()
-                return response.status_code, parse_sse(raw) if response.status_code == 200 else raw
-
-            tasks = [asyncio.create_task(stream(i)) for i in range(len(bodies))]
+            tasks = [asyncio.create_task(_post(client, two, body)) for body in bodies]
             if kill:  # once both replicas are mid-generation: the one running more streams goes
                 stats = await asyncio.to_thread(wait_for_stats, lambda s: len(s["replicas"]) == 2 and all(
                     r["num_running"] >= 2 for r in s["replicas"]), base_url=two, timeout=30, interval=0.05,
