@@ -98,8 +98,8 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads,
                                             source.config.head_dim)
         # The extra last block is scratch: static-mode padding rows write there and nobody reads it.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(_reserved(torch.zeros(shape, dtype=self.dtype, device=self.device)),
+                           _reserved(torch.zeros(shape, dtype=self.dtype, device=self.device)))
                           for _ in range(source.config.num_layers)]
         self.scratch_slot = self.num_kv_blocks * self.block_size
         vocab_size = source.config.vocab_size
@@ -109,8 +109,8 @@ class ModelRunner:
         host_shape = self.backend.kv_cache_shape(self.num_swap_blocks, self.block_size, source.config.num_kv_heads,
                                                  source.config.head_dim)
         pin = self.device.type == "cuda"
-        self.swap_caches = [(torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
-                             torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin))
+        self.swap_caches = [(_reserved(torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)),
+                             _reserved(torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)))
                             for _ in range(source.config.num_layers)] if self.num_swap_blocks else []
         self.swap_bytes_per_s = self._measure_swap_rate() if self.num_swap_blocks else 0.0
         self.graphs: DecodeGraphs | None = None
@@ -330,3 +330,14 @@ class ModelRunner:
 
         logits_index = (token_ends - 1)[np.asarray(batch.sample)]
         return StepArrays(positions, seq_lens, tables, slots, logits_index, all_decode=bool((query_lens == 1).all()))
+
+
+def _reserved(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` (zeros) with its host memory taken now. A large zeroed host allocation is mapped lazily: each
+    page would be taken when a block is first written, so a CPU engine's memory would climb for its first
+    minutes of serving (benchmarks.soak saw ~330 MB of it) and a host without room would fail mid-serving
+    instead of at start. Writing every page once makes the KV cache's memory what ``stats()`` says from the
+    first request on. (Device memory is taken at allocation.)"""
+    if cache.device.type == "cpu":
+        cache.fill_(0.0)
+    return cache
