@@ -30,7 +30,7 @@ before the load (the baseline) is recorded but not judged. ``--app NAME`` watche
 routers and replicas; the proxy and controller are shared by all apps.
 
 The verdict (exit status 0 PASS, 1 FAIL; 2 when the server cannot be reached): per role, RSS growth after the
-warm-up below ``--max-rss-growth-pct`` (``--role-max-rss-growth-pct ROLE=PCT`` for another limit on one role);
+warm-up (``--warmup-minutes``, default the first 20%) below ``--max-rss-growth-pct`` (``--role-max-rss-growth-pct ROLE=PCT`` for another limit on one role);
 fds flat within ``--max-fd-growth``; no 5xx and no unexpected failure; KV idle at every pause; with
 ``--require-no-loss``, no lost request either. RSS growth is each process's least-squares slope after the warm-up
 (the first 20% of its samples, at least 2) times the steady state's length, in % of its RSS at the start of it;
@@ -531,15 +531,18 @@ def kill_one_replica(app: str | None, rng: random.Random) -> dict[str, Any]:
 
 
 # -- the summary (pure functions of the samples) ------------------------------------------------------------
-def warmup_skip(num_samples: int) -> int:
-    """Samples to skip as warm-up: the first 20% and at least the first 2."""
+def warmup_skip(num_samples: int, times: Sequence[float] | None = None, warmup_s: float | None = None) -> int:
+    """Samples to skip as warm-up: the first 20% and at least the first 2; with ``warmup_s``, those taken in the
+    first ``warmup_s`` seconds of the run instead (at least 2)."""
+    if warmup_s is not None and times is not None:
+        return max(2, sum(1 for t in times if t < warmup_s))
     return max(2, math.ceil(0.2 * num_samples))
 
 
-def rss_growth_pct(times: Sequence[float], rss: Sequence[float]) -> float | None:
+def rss_growth_pct(times: Sequence[float], rss: Sequence[float], warmup_s: float | None = None) -> float | None:
     """RSS growth over the steady state, in % of its start: the least-squares slope after the warm-up, times
     the steady state's length, over the fitted RSS at its start. None with fewer than 3 steady samples."""
-    skip = warmup_skip(len(times))
+    skip = warmup_skip(len(times), times, warmup_s)
     t, y = np.asarray(times[skip:], dtype=float), np.asarray(rss[skip:], dtype=float)
     if len(t) < 3 or t[-1] <= t[0]:
         return None
@@ -550,7 +553,7 @@ def rss_growth_pct(times: Sequence[float], rss: Sequence[float]) -> float | None
     return float(slope * (t[-1] - t[0]) / base * 100.0)
 
 
-def summarize_processes(samples: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def summarize_processes(samples: Sequence[dict[str, Any]], warmup_s: float | None = None) -> dict[str, dict[str, Any]]:
     """Per role: processes seen, RSS at the first/last periodic sample (summed), the worst per-process RSS growth,
     and fds at the first/last pause (summed over the processes alive at both; the baseline is before warm-up)."""
     periodic = [s for s in samples if s["kind"] == "periodic"]
@@ -569,7 +572,7 @@ def summarize_processes(samples: Sequence[dict[str, Any]]) -> dict[str, dict[str
         pids = sorted(pid for pid, r in roles.items() if r == role)
         growth = {}
         for pid in pids:
-            if series[pid] and (g := rss_growth_pct(*zip(*series[pid]))) is not None:
+            if series[pid] and (g := rss_growth_pct(*zip(*series[pid]), warmup_s=warmup_s)) is not None:
                 growth[pid] = g
         worst = max(growth, key=growth.get) if growth else None
 
@@ -644,7 +647,8 @@ def summarize(soak: Soak) -> dict[str, Any]:
         "statuses": dict(soak.statuses),
         "idle_checks_total": len(judged), "idle_checks_passed": sum(c["passed"] for c in judged),
         "num_kills": sum(1 for k in soak.kills if k.get("killed")),
-        "processes": summarize_processes(soak.samples),
+        "processes": summarize_processes(soak.samples, soak.args.warmup_minutes * 60.0
+                                         if soak.args.warmup_minutes is not None else None),
     }
 
 
@@ -766,6 +770,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         metavar="ROLE=PCT", help="another RSS limit for one role (proxy, controller, router, "
                                                  "replica, engine); repeatable")
     parser.add_argument("--max-fd-growth", type=int, default=8, help="open fds a role may gain between pauses")
+    parser.add_argument("--warmup-minutes", type=positive_float, metavar="M",
+                        help="RSS growth is judged after this much of the run (default: its first 20%%); a fresh "
+                             "server meets new batch shapes for its first minutes, each costing native memory once")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenario choices and prompts")
     parser.add_argument("--json", metavar="PATH", help="write every sample, check and failure, and the summary")
     parser.add_argument("--png", metavar="PATH", help="draw RSS, fds, KV blocks and requests over time")
@@ -776,6 +783,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.pause_every = min(120.0, max(15.0, total / 4))
     if args.pause_every <= args.pause_s:
         parser.error(f"--pause-every ({args.pause_every:g}) must be longer than --pause-s ({args.pause_s:g})")
+    if args.warmup_minutes is not None and args.warmup_minutes >= args.minutes:
+        parser.error("--warmup-minutes must be shorter than --minutes")
     if args.require_no_loss and args.kill_replica_every is None:
         parser.error("--require-no-loss needs --kill-replica-every")
     if args.max_fd_growth < 0 or not args.max_rss_growth_pct >= 0:

@@ -19,6 +19,14 @@ def test_the_warm_up_is_the_first_fifth_and_at_least_two_samples():
     assert [soak.warmup_skip(n) for n in (1, 5, 10, 11, 50)] == [2, 2, 2, 3, 10]
 
 
+def test_a_warm_up_given_in_seconds_skips_the_samples_taken_in_it():
+    times = list(range(0, 100, 10))
+    assert soak.warmup_skip(len(times), times, warmup_s=45.0) == 5
+    rss = [100.0, 150.0, 180.0, 190.0, 199.0] + [200.0] * 5  # still warming at 20%, flat from 50 s
+    assert soak.rss_growth_pct(times, rss) > 2.0
+    assert soak.rss_growth_pct(times, rss, warmup_s=45.0) == pytest.approx(0.0, abs=1e-9)
+
+
 def test_a_flat_steady_state_has_no_growth_whatever_the_warm_up_did():
     times = list(range(0, 100, 10))
     rss = [100.0, 180.0] + [200.0] * 8  # warm-up jumps, then flat
@@ -160,6 +168,7 @@ def test_idle_needs_a_replica_and_nothing_running_waiting_in_kv_or_in_flight():
 @pytest.mark.parametrize("argv", [[], ["--minutes", "0"], ["--minutes", "1", "--concurrency", "0"],
                                   ["--minutes", "1", "--pause-every", "5", "--pause-s", "5"],
                                   ["--minutes", "1", "--require-no-loss"],
+                                  ["--minutes", "1", "--warmup-minutes", "1"],
                                   ["--minutes", "1", "--role-max-rss-growth-pct", "engine"]])
 def test_bad_arguments_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
