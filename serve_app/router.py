@@ -449,15 +449,15 @@ class Router:
                                else prompt)
         return payloads
 
-    async def _open(self, payload: dict[str, Any], deadline: float, attempt_base: int = 0):
+    async def _open(self, payload: dict[str, Any], deadline: float):
         """Start the request on some replica; returns (response generator, first message)."""
         def stream(request: dict[str, Any]):
             gen = self.replicas.generate.remote(request)
             return gen, gen.__anext__()
 
-        return await self._first_answer(payload, deadline, stream, attempt_base)
+        return await self._first_answer(payload, deadline, stream)
 
-    async def _first_answer(self, payload: dict[str, Any], deadline: float, call, attempt_base: int = 0):
+    async def _first_answer(self, payload: dict[str, Any], deadline: float, call):
         """Send ``payload`` to a replica and await its first answer; returns (the call's response, that answer).
 
         ``call(request)`` makes the handle call and returns (response, awaitable of its first answer): a
@@ -465,7 +465,7 @@ class Router:
         another (bounded by ``max_attempts``): nothing has reached the client yet. Every other failure
         cancels the call, which aborts the request in the engine."""
         last_error: BaseException | None = None
-        for attempt in range(attempt_base, self.config.max_attempts):
+        for attempt in range(self.config.max_attempts):
             request = {**payload, "timeout_s": max(0.001, deadline - time.monotonic()),
                        # only a client's own timeout may be refused as unmeetable; the server default is a net
                        "strict_deadline": payload.get("client_timeout", False)}
