@@ -112,3 +112,12 @@ def param_of_value_error(message: str) -> str | None:
     """Engine ValueErrors start with the argument they are about ("max_tokens: ...", "top_p must ...")."""
     head = message.split(" ", 1)[0].rstrip(":,")
     return head if head.isidentifier() else None
+
+
+# OpenAI's ErrorResponse, for /openapi.json: every error status a route may answer, with this body.
+ERROR_BODY_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ERROR_STATUSES = {cls.status_code: cls.__name__ for cls in _KINDS.values() if cls is not APIError}

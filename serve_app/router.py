@@ -38,8 +38,8 @@ from starlette.requests import ClientDisconnect
 from serve_app import responses as R
 from serve_app.admission import AdmissionController, TenantLimiter
 from serve_app.config import RouterConfig
-from serve_app.errors import (APIError, BadRequestError, ModelNotFoundError, OverloadedError, RequestTimeoutError,
-                              ServerError, ServiceUnavailableError)
+from serve_app.errors import (ERROR_BODY_SCHEMA, ERROR_STATUSES, APIError, BadRequestError, ModelNotFoundError,
+                              OverloadedError, RequestTimeoutError, ServerError, ServiceUnavailableError)
 from serve_app.metrics import RouterMetrics
 from engine.models.loader import read_model_source
 from serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
@@ -186,7 +186,14 @@ def _body(model: type) -> dict[str, Any]:
     _BODY_SCHEMAS.update(schema.pop("$defs", {}))
     _BODY_SCHEMAS[model.__name__] = schema
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "responses": _ERROR_RESPONSES}
+
+
+# Every error status a route (or the gate before it) may answer, each with OpenAI's error body.
+_ERROR_RESPONSES = {str(status): {"description": name, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}} for status, name in sorted(ERROR_STATUSES.items())}
+_BODY_SCHEMAS["ErrorResponse"] = ERROR_BODY_SCHEMA
 
 
 def _openapi() -> dict[str, Any]:

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from benchmarks import soak
+from benchmarks import serve_processes, soak
 from benchmarks.soak import CLIENT, EXPECTED_4XX, LOST, OK, UNEXPECTED, Limits, Reply
 from tests.serving.helpers import wait_idle
 
@@ -148,11 +148,11 @@ def test_a_role_may_have_a_limit_of_its_own():
     ("/usr/bin/python -m engine.engine_core_child /tmp/x/core.sock", None, None),  # found as a replica's child
 ])
 def test_serve_processes_are_told_apart_by_title(title, app, role):
-    assert soak.role_of(title, app) == role
+    assert serve_processes.role_of(title, app) == role
 
 
 def test_process_samples_read_from_proc_have_a_role_rss_and_fds():
-    for p in soak.sample_processes():  # empty unless a Ray Serve runs on this machine
+    for p in serve_processes.sample_processes():  # empty unless a Ray Serve runs on this machine
         assert p["role"] and p["rss_mb"] > 0 and p["fds"] >= 0 and p["pid"] != os.getpid()
 
 
