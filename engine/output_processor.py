@@ -116,7 +116,9 @@ def _visible_text_len(request: Request, finished: bool) -> int:
     request runs (so a stop string is never streamed)."""
     text, stops = request.text, request.params.stop
     if finished or not stops:
-        return len(text)  # without stop strings nothing is held back (and text never shrinks)
+        # Without stop strings nothing is held back. Never below what was sent: a continued sequence
+        # (engine.request.Continuation) has sent text before its detokenizer has replayed it.
+        return max(request.sent_text_len, len(text))
     return max(request.sent_text_len, len(text) - max(0, request.params.max_stop_chars - 1))
 
 

@@ -102,3 +102,18 @@ def test_bad_continuations_are_value_errors_naming_them(continuations, words):
     with pytest.raises(ValueError, match="output_kind 'delta'"):
         engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=8), continuations={0: Continuation((10,), 0)})
     assert not engine.has_unfinished_requests()
+
+
+def test_a_choice_with_no_new_token_yet_does_not_send_its_text_again():
+    """n = 2 cut at very different points, with a small token budget: choice 0 (a short recompute) emits while
+    choice 1 is still recomputing its long output, so choice 1 appears in outputs before its detokenizer has
+    replayed anything; what it was sent must not be sent again."""
+    sampling = CASES["n2"].replace(max_tokens=60)
+    whole = run(make_engine(), "whole", PROMPTS[0], sampling)
+    cuts = {0: 1, 1: len(whole[1]) - 2}
+    sent = {i: joined(whole[i][:k]) for i, k in cuts.items()}
+    continuations = {i: Continuation(tuple(tokens), len(text)) for i, (tokens, text, _, _) in sent.items()}
+    rest = run(make_engine(max_num_batched_tokens=8), "continued", PROMPTS[0], sampling, continuations)
+    for i in (0, 1):
+        assert sent[i][1] + joined(rest[i])[1] == joined(whole[i])[1], i
+        assert sent[i][0] + joined(rest[i])[0] == joined(whole[i])[0], i

@@ -83,7 +83,7 @@ def test_worker_node_lost_under_streaming_load(app, cluster):
     continues on the other node and completes (issue 17: migration); nothing hangs; the surviving node keeps
     serving."""
     wait_idle(app, timeout=20, num_replicas=2)
-    long_tokens, short_tokens, num_streams = 1500, 16, 6
+    long_tokens, short_tokens, num_streams = 900, 16, 6
     outcome: dict = {}
 
     async def run():

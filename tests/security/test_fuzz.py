@@ -18,7 +18,7 @@ from tests.serving.apps import DEMO_APP_ARGS, delete_app, deploy_app
 from tests.serving.helpers import wait_idle
 
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
-MAX_EXAMPLES = int(os.environ.get("INFLIGHT_FUZZ_EXAMPLES", "25"))
+MAX_EXAMPLES = int(os.environ.get("INFLIGHT_FUZZ_EXAMPLES", "15"))
 RUN_TIMEOUT_S = 360 * max(1, MAX_EXAMPLES // 25)  # a longer run (docs/security.md) gets the time it needs
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60, func_only=True)
 
