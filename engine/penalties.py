@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.request_state import PerRequestState
-from engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -30,12 +29,12 @@ class PenaltyState:
 
 
 class Penalties(PerRequestState[PenaltyState]):
-    def apply(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams], request_ids: list[str],
-              requests: list) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: list[int], requests: list) -> torch.Tensor:
         """``logits`` [num_rows, vocab] with the adjustments of ``rows`` (which ask for some) applied; the others
-        as they are. ``params``, ``request_ids`` and ``requests`` (engine ``Request``s) are per row of ``logits``."""
+        as they are. ``requests``: the engine ``Request`` of each row of ``logits``."""
         vocab = logits.shape[1]
-        states = [self._state(request_ids[i], params[i], requests[i], vocab, logits.device) for i in rows]
+        params = [r.params for r in requests]
+        states = [self._state(requests[i], vocab, logits.device) for i in rows]
         index = torch.tensor(rows, device=logits.device)
         x = logits.index_select(0, index)
         if any(s.bias is not None for s in states):
@@ -56,15 +55,15 @@ class Penalties(PerRequestState[PenaltyState]):
         out[index] = x
         return out
 
-    def record(self, rows: list[int], request_ids: list[str], token_ids: list[int]) -> None:
+    def record(self, rows: list[int], requests: list, token_ids: list[int]) -> None:
         """The tokens just sampled for ``rows``: counted for the next step."""
         for i in rows:
-            state = self._states.get(request_ids[i])
+            state = self._states.get(requests[i].request_id)
             if state is not None:
                 state.counts[token_ids[i]] += 1
 
-    def _state(self, request_id: str, params: SamplingParams, request, vocab: int,
-               device: torch.device) -> PenaltyState:
+    def _state(self, request, vocab: int, device: torch.device) -> PenaltyState:
+        request_id, params = request.request_id, request.params
         state = self._states.get(request_id)
         if state is None:
             mask = None

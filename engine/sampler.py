@@ -30,7 +30,8 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     num_output_tokens: list[int]
     eos_token_ids: frozenset[int]
-    # the rows' requests (engine ``Request``s): penalties key their state by request id and read the prompt
+    # the rows' requests (engine ``Request``s): penalties and grammar matchers key their state by request id and
+    # read the prompt and output so far
     requests: list = field(default_factory=list)
 
     @property
@@ -61,21 +62,20 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # the model's, before any adjustment (as vLLM's)
         adjusted = [i for i, p in enumerate(batch.params) if p.adjusts_logits]
         if adjusted:
-            params, ids = batch.params, [r.request_id for r in batch.requests]
+            params, requests = batch.params, batch.requests
             penalised = [i for i in adjusted if params[i].penalised]
             constrained = [i for i in adjusted if params[i].structured_output is not None]
             if penalised:
-                logits = self.penalties.apply(logits, penalised, params, ids, batch.requests)
+                logits = self.penalties.apply(logits, penalised, requests)
             if constrained:
-                logits = self.constraints.mask(logits, constrained, [p.structured_output for p in params], ids,
-                                               [r.output_token_ids for r in batch.requests])
+                logits = self.constraints.mask(logits, constrained, requests)
         logits = self._mask_early_stops(logits, batch)
         token_ids = self._pick(logits, batch)
         if adjusted:
             if penalised:
-                self.penalties.record(penalised, ids, token_ids)
+                self.penalties.record(penalised, requests, token_ids)
             if constrained:
-                self.constraints.accept(constrained, ids, token_ids)
+                self.constraints.accept(constrained, requests, token_ids)
         return token_ids, self._logprobs(raw_logprobs, token_ids, batch)
 
     @staticmethod

@@ -160,18 +160,18 @@ class Constraints(PerRequestState[Any]):
                 self._compiler = self._compiler_factory()
         return self._compiler.compile(constraint)
 
-    def mask(self, logits: torch.Tensor, rows: list[int], constraints: list[StructuredOutput],
-             request_ids: list[str], generated: list[list[int]]) -> torch.Tensor:
+    def mask(self, logits: torch.Tensor, rows: list[int], requests: list) -> torch.Tensor:
         """``logits`` with each of ``rows`` limited to the tokens its grammar allows next (a matcher that has
-        finished, stop token included, leaves its row as it is). ``generated``: each row's output so far, which a
-        new matcher replays (a sequence continued from another engine arrives with output)."""
+        finished, stop token included, leaves its row as it is). ``requests``: the engine ``Request`` of each row;
+        a new matcher replays the request's output so far (a sequence continued from another engine has some)."""
         live = []
         for i in rows:
-            matcher = self._states.get(request_ids[i])
+            request = requests[i]
+            matcher = self._states.get(request.request_id)
             if matcher is None:
-                grammar = self.compile(constraints[i])
-                matcher = self._states[request_ids[i]] = self._compiler._xgr.GrammarMatcher(grammar)
-                for token_id in generated[i]:
+                grammar = self.compile(request.params.structured_output)
+                matcher = self._states[request.request_id] = self._compiler._xgr.GrammarMatcher(grammar)
+                for token_id in request.output_token_ids:
                     if not matcher.accept_token(token_id):
                         break  # not this grammar's output: the mask from here is the grammar's best
             if not matcher.is_terminated():
@@ -185,7 +185,7 @@ class Constraints(PerRequestState[Any]):
         index = torch.tensor([i for i, _ in live], device=logits.device)
         rows_logits = logits.index_select(0, index).float()
         xgr.apply_token_bitmask_inplace(rows_logits, bitmask.to(logits.device))
-        json_rows = [j for j, (i, _) in enumerate(live) if constraints[i].kind in ("json", "json_object")]
+        json_rows = [j for j, (i, _) in enumerate(live) if requests[i].params.structured_output.kind in ("json", "json_object")]
         if json_rows:
             banned = self._compiler.not_json_tokens.to(logits.device)
             rows_logits[json_rows] = rows_logits[json_rows].masked_fill(banned, float("-inf"))
@@ -193,8 +193,8 @@ class Constraints(PerRequestState[Any]):
         out[index] = rows_logits.to(logits.dtype)
         return out
 
-    def accept(self, rows: list[int], request_ids: list[str], token_ids: list[int]) -> None:
+    def accept(self, rows: list[int], requests: list, token_ids: list[int]) -> None:
         for i in rows:
-            matcher = self._states.get(request_ids[i])
+            matcher = self._states.get(requests[i].request_id)
             if matcher is not None and not matcher.is_terminated():
                 matcher.accept_token(token_ids[i])
