@@ -39,7 +39,7 @@ def main() -> None:
             request = {"kind": "completion", "request_id": f"r{i}-{time.time()}", "prompt": [7 + i] * 64,
                        "params": params}
             async for chunk in handle.generate.remote(request):
-                tokens += sum(c["num_tokens"] for c in chunk.get("choices", []))
+                tokens += sum(len(c["token_ids"]) for c in chunk.get("choices", []))
             return tokens
 
         async def run() -> float:

@@ -178,8 +178,7 @@ class LLMReplica:
         for completion in output.outputs:
             # The token ids too: the router keeps them, to continue the request elsewhere if this replica is lost.
             choice = {"index": completion.index, "text": completion.text, "token_ids": completion.token_ids,
-                      "num_tokens": len(completion.token_ids), "finish_reason": completion.finish_reason,
-                      "stop_reason": completion.stop_reason}
+                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
             if completion.logprobs is not None:
                 choice["logprobs"] = [_logprob_entry(entry, token_id, num_top)
                                       for entry, token_id in zip(completion.logprobs, completion.token_ids)]
@@ -322,7 +321,7 @@ class _Echo:
 
 
 def _merge_chunks(held: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
-    """One chunk carrying ``held`` then ``new``: texts joined, token counts added, the latest finish reason."""
+    """One chunk carrying ``held`` then ``new``: texts and token ids joined, the latest finish reason."""
     if held is None:
         return new
     by_index = {c["index"]: c for c in held["choices"]}
@@ -333,7 +332,6 @@ def _merge_chunks(held: dict[str, Any] | None, new: dict[str, Any]) -> dict[str,
             continue
         old["text"] += choice["text"]
         old["token_ids"] = old["token_ids"] + choice["token_ids"]
-        old["num_tokens"] += choice["num_tokens"]
         old["finish_reason"], old["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
         if "logprobs" in choice:
             old["logprobs"] = old.get("logprobs", []) + choice["logprobs"]

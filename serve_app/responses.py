@@ -54,7 +54,7 @@ class ChoiceState:
 
     def add(self, choice: dict[str, Any]) -> None:
         self.text += choice["text"]
-        self.num_tokens += choice["num_tokens"]
+        self.num_tokens += len(choice["token_ids"])
         self.logprobs.extend(choice.get("logprobs") or [])
         if choice["finish_reason"] is not None:
             self.finish_reason = choice["finish_reason"]

@@ -625,7 +625,7 @@ class Router:
                                              None, None))
             async for chunk in chunks:
                 for choice in chunk["choices"]:
-                    completion_tokens += choice["num_tokens"]
+                    completion_tokens += len(choice["token_ids"])
                     usage["total_tokens"] = prompt_tokens + completion_tokens
                     reason = choice["finish_reason"]
                     if reason == "timeout":  # the engine ended it (and counted it)
