@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
+
+from engine.speculative.config import SpeculativeConfig
 
 BatchingMode = Literal["continuous", "static"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -65,6 +67,9 @@ class EngineConfig:
     prefill_lane: bool = True
     max_prefill_batch_tokens: int = 2048
     max_prefill_batch_size: int = 32
+    # Speculative decoding (engine/speculative/): None, or its settings (a dict or a SpeculativeConfig), e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4}. Continuous batching with the synchronous loop only.
+    speculative_config: Any = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -72,6 +77,8 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "speculative_config" in kwargs:
+            kwargs["speculative_config"] = SpeculativeConfig.from_value(kwargs["speculative_config"])
         config = cls(**kwargs)
         config.validate()
         return config
@@ -125,6 +132,15 @@ class EngineConfig:
             raise bad("async_scheduling", "must be true, false or None (auto)")
         if self.async_scheduling and self.batching == "static":
             raise bad("async_scheduling", "needs continuous batching (a static batch has nothing to schedule ahead)")
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, SpeculativeConfig):
+                raise bad("speculative_config", "must be built by EngineConfig.from_kwargs (a dict of its settings)")
+            if self.batching == "static":
+                raise bad("batching", "must be 'continuous' with speculative_config (a static batch decodes in "
+                                      "lockstep, one token per member)")
+            if self.async_scheduling:
+                raise bad("async_scheduling", "must be false or None with speculative_config (verification needs "
+                                              "each step's tokens before the next is scheduled)")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):

@@ -22,6 +22,7 @@ from engine.sampler import SamplingBatch
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.scheduler import make_scheduler
 from engine.scheduler_output import SchedulerOutput, StepRecord
+from engine.speculative import Speculator
 from engine.request_maker import PromptInput, RequestMaker
 from engine.ttft_predictor import QueueView, Rank, TTFTPredictor, check_deadline, predicts_for
 
@@ -88,9 +89,13 @@ class LLMEngine:
         # Async scheduling: the thread that runs the forwards, in order, and the step it is computing.
         config = self.config
         use_async = (config.async_scheduling if config.async_scheduling is not None
-                     else config.batching == "continuous" and self.runner.device.type == "cuda")
+                     else config.batching == "continuous" and self.runner.device.type == "cuda"
+                     and config.speculative_config is None)
         self._device = ThreadPoolExecutor(1, thread_name_prefix="inflight-device") if use_async else None
         self._in_flight: _Launched | None = None
+        self.speculator = (Speculator(config.speculative_config, self.eos_token_ids)
+                           if config.speculative_config is not None else None)
+        self.scheduler.speculative = self.speculator is not None
         # Requests whose structured output compiles on a pool thread (the step loop does not wait for it), and
         # those aborted meanwhile.
         self._grammar_pool: ThreadPoolExecutor | None = None
@@ -118,9 +123,9 @@ class LLMEngine:
         token-level KV use under 60% while requests wait means a limit other than memory is hit)."""
         scheduler = self.scheduler
         padding = sum(batch.padding)
-        decode = batch.query_lens.count(1) - padding
+        decode = batch.num_decode_rows - padding
         self._kv_samples.append(StepSample(
-            seconds, batch.num_tokens - decode - padding, decode, padding, len(scheduler.running),
+            seconds, batch.num_tokens - decode - padding - batch.num_spec_tokens, decode, padding, len(scheduler.running),
             len(scheduler.waiting), scheduler.kv.pool.num_used, scheduler.kv_stats().num_tokens_used))
         if self.num_steps % DIAGNOSE_EVERY:
             return
@@ -328,6 +333,8 @@ class LLMEngine:
         """Schedule a batch and start computing it (at once, or on the device thread); the launch is None when
         there is nothing to run."""
         scheduler = self.scheduler
+        if self.speculator is not None:  # proposals for the rows that decode: the scheduler adds them to the batch
+            self.speculator.propose([r for r in scheduler.running if r.num_computed_tokens == len(r.all_token_ids) - 1])
         batch = scheduler.schedule()
         self.last_batch_size = batch.num_rows
         if batch.is_empty:
@@ -364,10 +371,11 @@ class LLMEngine:
             for row, prompt_output in result.prompt_outputs.items():
                 if not rows[row].is_finished:
                     add_prompt_outputs(rows[row], batch.start_positions[row], prompt_output)
-        logprobs = result.logprobs
-        logprobs_by_id = ({rid: lp for rid, lp in zip(batch.request_ids, logprobs) if lp is not None}
+        logprobs, accepted = result.logprobs, result.accepted_token_ids
+        logprobs_by_id = ({rid: [lp, *result.accepted_logprobs.get(row, ())]
+                           for row, (rid, lp) in enumerate(zip(batch.request_ids, logprobs)) if lp is not None}
                           if logprobs.count(None) != len(logprobs) else None)
-        advanced = scheduler.update(result.sampled_token_ids)
+        advanced = scheduler.update(result.sampled_token_ids, accepted)
         for request in self.output_processor.process_tokens(advanced, logprobs_by_id):
             if not request.is_finished:
                 scheduler.finish(request, "stop")  # a stop string ended it
@@ -377,9 +385,19 @@ class LLMEngine:
             touched[request.parent_id] = None
         self.num_generated_tokens += len(advanced)
         self.num_steps += 1
+        # proposed tokens are decode work: the predictor's decode step includes them
+        num_decode_rows, num_spec_tokens = batch.num_decode_rows, batch.num_spec_tokens
+        num_prompt_tokens = batch.num_tokens - num_decode_rows - num_spec_tokens
+        if accepted:
+            self.num_generated_tokens += sum(map(len, accepted.values()))
+        if self.speculator is not None:
+            rows = launched.rows
+            verified = [(rows[row], len(proposed), len(accepted.get(row, ())))
+                        for row, proposed in batch.spec_token_ids.items()]
+            self.speculator.observe(verified, seconds, num_decode_rows, num_prompt_tokens,
+                                    self.predictor.per_prefill_token_s if self.predictor is not None else None)
         if self.predictor is not None:
-            num_decode_rows = batch.query_lens.count(1)
-            self.predictor.observe(seconds, batch.num_tokens - num_decode_rows, num_decode_rows)
+            self.predictor.observe(seconds, num_prompt_tokens, num_decode_rows)
         if self.num_steps % SAMPLE_EVERY == 0:
             self._sample_kv(batch, seconds)
 
@@ -451,5 +469,6 @@ class LLMEngine:
             "batch_size": self.last_batch_size,
             "num_generated_tokens": self.num_generated_tokens,
             "num_finished_requests": self.num_finished_requests,
+            **(self.speculator.stats() if self.speculator is not None else {}),
             "time": time.time(),
         }

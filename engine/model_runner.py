@@ -57,6 +57,10 @@ class RunnerOutput:
     sampled_token_ids: list[int | None]  # one per row; None for rows that do not sample
     logprobs: list[TokenLogprobs | None]  # one per row
     prompt_outputs: dict[int, PromptOutput] = dataclasses.field(default_factory=dict)  # by row, for prompt_rows
+    # Rows that verified proposed tokens (SchedulerOutput.spec_token_ids): the tokens they emit after their
+    # sampled one (the accepted proposals but the first, then the token sampled after them), with logprobs.
+    accepted_token_ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    accepted_logprobs: dict[int, list[TokenLogprobs | None]] = dataclasses.field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -226,16 +230,41 @@ class ModelRunner:
         sampled: list[int | None] = [None] * batch.num_rows
         logprobs: list[TokenLogprobs | None] = [None] * batch.num_rows
         sample_rows = [i for i, s in enumerate(batch.sample) if s]
-        if sample_rows:
+        output = RunnerOutput(sampled, logprobs)
+        if sample_rows and batch.spec_token_ids:
+            self._verify(hidden, batch, sample_rows, sampling, output)
+        elif sample_rows:
             logits = self.model.compute_logits(hidden[logits_index])
             token_ids, token_logprobs = self.sampler(logits, sampling)
             for row, token_id, lp in zip(sample_rows, token_ids, token_logprobs):
                 sampled[row] = token_id
                 logprobs[row] = lp
-        prompt_outputs = (self._prompt_outputs(hidden, batch.input_token_ids, batch.query_lens, batch.prompt_rows)
-                          if batch.prompt_rows else {})
+        if batch.prompt_rows:
+            output.prompt_outputs = self._prompt_outputs(hidden, batch.input_token_ids, batch.query_lens,
+                                                         batch.prompt_rows)
         self._last_sampled = (batch.request_ids, sampled)
-        return RunnerOutput(sampled, logprobs, prompt_outputs)
+        return output
+
+    def _verify(self, hidden: torch.Tensor, batch: SchedulerOutput, sample_rows: list[int], sampling: SamplingBatch,
+                output: RunnerOutput) -> None:
+        """A step with proposed tokens: logits at a verifying row's last token and at each proposal (the last
+        ``1 + k`` tokens of its row), one verification for the batch (``Sampler.verify``)."""
+        spec = batch.spec_token_ids
+        token_ends = np.cumsum(batch.query_lens).tolist()
+        index: list[int] = []
+        proposed: list[list[int]] = []
+        for row in sample_rows:
+            guesses = spec.get(row, [])
+            index.extend(range(token_ends[row] - 1 - len(guesses), token_ends[row]))
+            proposed.append(guesses)
+        logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)])
+        emitted, emitted_logprobs = self.sampler.verify(logits, sampling, proposed)
+        for row, tokens, lps in zip(sample_rows, emitted, emitted_logprobs):
+            output.sampled_token_ids[row] = tokens[0]
+            output.logprobs[row] = lps[0]
+            if row in spec:
+                output.accepted_token_ids[row] = tokens[1:]
+                output.accepted_logprobs[row] = lps[1:]
 
     def _fill_placeholders(self, input_ids: np.ndarray, batch: SchedulerOutput) -> None:
         """Async scheduling: a decode row scheduled before its input token was sampled takes it from the step

@@ -19,30 +19,44 @@ class OutputProcessor:
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob entries name every token)
 
     def process_tokens(self, requests: list[Request],
-                       logprobs_by_id: dict[str, TokenLogprobs] | None = None) -> list[Request]:
-        """Account for the token each of ``requests`` just got; returns those a stop string ended.
+                       logprobs_by_id: dict[str, list[TokenLogprobs]] | None = None) -> list[Request]:
+        """Account for the tokens each of ``requests`` just got (one, or several after a speculative step, with
+        their logprobs in order); returns those a stop string ended.
 
-        One call per step with its loop inside: this runs for every row of every step.
-        """
+        One call per step with its loop inside: this runs for every row of every step."""
         stopped = []
         for request in requests:
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = time.time()
             decoder = request.decoder
+            output_token_ids = request.output_token_ids
             if decoder is None:
                 decoder = request.decoder = self.tokenizer.decode_stream(request.params.skip_special_tokens)
-                for token_id in request.output_token_ids[:-1]:  # a continued sequence's earlier tokens (if any)
+                # a continued sequence's earlier tokens (engine.request.Continuation): replayed, already checked
+                for token_id in output_token_ids[:request.sent_token_len]:
                     request.text += decoder.step(token_id) or ""
-            piece = decoder.step(request.output_token_ids[-1])
-            if piece:
-                request.text += piece
+                request.num_detokenized = request.sent_token_len
+            first_new = request.num_detokenized
+            request.num_detokenized = len(output_token_ids)
             if logprobs_by_id is not None and request.logprobs is not None:
-                token_logprobs = logprobs_by_id.get(request.request_id)
-                if token_logprobs is not None:
+                for token_logprobs in logprobs_by_id.get(request.request_id, ()):
                     self._append_logprobs(request, token_logprobs)
-            if piece and request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
-                stopped.append(request)
+            if first_new == len(output_token_ids) - 1:  # the usual case: one new token
+                piece = decoder.step(output_token_ids[-1])
+                if piece:
+                    request.text += piece
+                    if request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
+                        stopped.append(request)
+                continue
+            for index in range(first_new, len(output_token_ids)):  # several: each is checked for a stop string
+                piece = decoder.step(output_token_ids[index])
+                if piece:
+                    request.text += piece
+                    if request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
+                        request.drop_tokens_after(index + 1)  # later tokens would not have been generated
+                        stopped.append(request)
+                        break
         return stopped
 
     @staticmethod

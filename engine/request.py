@@ -68,7 +68,8 @@ class Request:
         "finish_reason", "stop_reason", "metrics", "deadline", "generator", "max_total_tokens",
         "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
         "cumulative_logprob", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
-        "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root",
+        "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root", "num_detokenized",
+        "spec_token_ids", "spec_state", "spec_acceptance",
     )
 
     def __init__(
@@ -115,6 +116,7 @@ class Request:
         self.sent_text_len = 0
         self.sent_token_len = 0
         self.decoder = None
+        self.num_detokenized = 0  # output tokens the decoder has seen
         self.sent_first_output = False  # delta outputs carry the prompt's fields in the first one only
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -130,6 +132,11 @@ class Request:
         self.pooled_sum: torch.Tensor | None = None  # [hidden] float32, on the host
         # Whether the scheduler must look at this request's prompt chunks at all (the common request: never).
         self.has_prompt_work = self.prompt_logprobs is not None or pool or self.prefill_only
+        # Speculative decoding (engine.speculative): this step's proposed tokens, the proposer's own state (e.g.
+        # n-gram lookup's token bytes) and the request's acceptance so far as (accepted, tried), decayed.
+        self.spec_token_ids: list[int] | tuple = ()
+        self.spec_state = None
+        self.spec_acceptance: tuple[float, float] | None = None
         if continuation is not None:  # its earlier tokens count as output, were sent, and are computed again
             self.output_token_ids = list(continuation.token_ids)
             self.all_token_ids.extend(continuation.token_ids)
@@ -206,6 +213,17 @@ class Request:
             self.finish_reason = "length"
             return True
         return False
+
+    def drop_tokens_after(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` output tokens (a stop string ended the request at one of
+        several tokens a speculative step emitted)."""
+        dropped = len(self.output_token_ids) - num_output_tokens
+        if dropped > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - dropped:]
+            if self.logprobs is not None:
+                del self.logprobs[num_output_tokens:]
+            self.num_detokenized = min(self.num_detokenized, num_output_tokens)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.value}, "

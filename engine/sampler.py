@@ -34,6 +34,13 @@ class SamplingBatch:
     # read the prompt and output so far
     requests: list = field(default_factory=list)
 
+    def select(self, rows: list[int], ahead: int) -> "SamplingBatch":
+        """The batch of ``rows`` only, each sampling the token ``ahead`` positions after its usual one."""
+        counts = self.num_output_tokens
+        return SamplingBatch([self.params[i] for i in rows], [self.generators[i] for i in rows],
+                             [counts[i] + ahead for i in rows], self.eos_token_ids,
+                             [self.requests[i] for i in rows] if self.requests else [])
+
     @property
     def all_greedy_plain(self) -> bool:
         return all(p.greedy and p.logprobs is None and p.min_tokens == 0 and not p.adjusts_logits
@@ -77,6 +84,47 @@ class Sampler:
             if constrained:
                 self.constraints.accept(constrained, requests, token_ids)
         return token_ids, self._logprobs(raw_logprobs, token_ids, batch)
+
+    def verify(self, logits: torch.Tensor, batch: SamplingBatch, proposed: list[list[int]]
+               ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+        """Speculative decoding: row i of ``batch`` has ``len(proposed[i]) + 1`` consecutive rows of ``logits``,
+        the target's at its last token and at each proposed one. Returns each row's emitted tokens (the accepted
+        proposals, then one more) and their logprobs.
+
+        Position j samples exactly as a plain step would at that position (penalties, grammar, min_tokens, the
+        seeded draw of that output position), given the tokens before it; a proposal is accepted when it is the
+        token sampled there, and the row stops at the first one that is not, emitting that sample instead. Each
+        emitted token is therefore a draw from the target distribution given the real tokens before it: the
+        output is distributed exactly as without speculation (greedy and seeded rows emit the very same tokens),
+        and a proposal is accepted with the probability the target gives it (Leviathan et al.'s rule for a
+        proposer that puts all its mass on one token, as n-gram lookup and greedy drafting do). A proposal the
+        grammar forbids is never sampled, so it is rejected."""
+        starts, offset = [], 0
+        for row in proposed:
+            starts.append(offset)
+            offset += len(row) + 1
+        emitted: list[list[int]] = [[] for _ in proposed]
+        if batch.all_greedy_plain:  # one argmax for every position of every row
+            best = logits.argmax(dim=-1).tolist()
+            for row, (start, guesses) in enumerate(zip(starts, proposed)):
+                n = 0
+                while n < len(guesses) and best[start + n] == guesses[n]:
+                    n += 1
+                emitted[row] = best[start:start + n + 1]
+            return emitted, [[None] * len(tokens) for tokens in emitted]
+        logprobs: list[list[TokenLogprobs | None]] = [[] for _ in proposed]
+        alive, ahead = list(range(len(proposed))), 0
+        while alive:  # position by position: what a position samples depends on the tokens before it
+            index = torch.tensor([starts[row] + ahead for row in alive], device=logits.device)
+            token_ids, token_logprobs = self(logits[index], batch.select(alive, ahead))
+            still = []
+            for row, token_id, lp in zip(alive, token_ids, token_logprobs):
+                emitted[row].append(token_id)
+                logprobs[row].append(lp)
+                if ahead < len(proposed[row]) and token_id == proposed[row][ahead]:
+                    still.append(row)
+            alive, ahead = still, ahead + 1
+        return emitted, logprobs
 
     @staticmethod
     def _mask_early_stops(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

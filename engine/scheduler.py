@@ -46,8 +46,11 @@ class Scheduler:
         # Scheduled steps whose results have not been applied (update), oldest first: each step's rows as two
         # parallel lists (no tuple per row per step), the requests and the KV length each reaches. One step in
         # the synchronous loop; two while the engine schedules a step before the previous one's tokens are back
-        # (async scheduling).
-        self._in_flight: deque[tuple[list[Request], list[int]]] = deque()
+        # (async scheduling). Third: the step's proposed tokens by row (SchedulerOutput.spec_token_ids).
+        self._in_flight: deque[tuple[list[Request], list[int], dict[int, list[int]]]] = deque()
+        # Speculative decoding: a decode row also computes its request's ``spec_token_ids`` (set by the engine's
+        # Speculator before each schedule) when blocks for them are free; they never cause a preemption.
+        self.speculative = False
         self._num_with_deadline = 0
         # Fair share (scheduling_policy "fair"): tokens of service each tenant has had (a virtual token counter),
         # and how many requests each has here (waiting or running).
@@ -189,7 +192,7 @@ class Scheduler:
                     service[tenant] = service.get(tenant, 0.0) + num_new
             ends.append(request.num_computed_tokens)
         if requests:
-            self._in_flight.append((requests, ends))
+            self._in_flight.append((requests, ends, out.spec_token_ids))
         return out
 
     def _pick(self) -> dict[Request, int]:
@@ -222,11 +225,16 @@ class Scheduler:
                     else:  # the token an in-flight step samples: the runner puts it in
                         out.placeholder_rows.append(len(out.request_ids) - 1)
                         add_input(PLACEHOLDER_TOKEN_ID)
+                elif start + num_new > len(token_ids):  # a decode row and its proposed tokens, to verify
+                    proposed = list(request.spec_token_ids[:start + num_new - len(token_ids)])
+                    extend_input(token_ids[start:])
+                    extend_input(proposed)
+                    out.spec_token_ids[len(out.request_ids) - 1] = proposed
                 else:
                     extend_input(token_ids[start:start + num_new])
                 add_query_len(num_new)
                 add_start(start)
-                add_sample(start + num_new == len(token_ids) + request.num_pending_tokens)
+                add_sample(start + num_new >= len(token_ids) + request.num_pending_tokens)
                 add_padding(False)
                 metrics = request.metrics
                 if metrics.first_scheduled_time is None:
@@ -258,40 +266,61 @@ class Scheduler:
                 num_top = request.params.prompt_logprobs if request.prompt_logprobs is not None else None
                 out.prompt_rows[row] = PromptRow(num_top, request.pool, prompt[end] if end < len(prompt) else None)
 
-    def update(self, sampled_token_ids: list[int | None]) -> list[Request]:
+    def update(self, sampled_token_ids: list[int | None],
+               accepted_token_ids: dict[int, list[int]] | None = None) -> list[Request]:
         """Apply the results of the oldest scheduled step: append samples, end finished requests, cache the
         blocks its KV filled. A request that ended meanwhile (a stop in the previous step, an abort, a
         deadline) drops its token; one preempted meanwhile keeps it (the token is real).
 
+        A row that verified proposed tokens (speculative decoding) emits its sampled token and then
+        ``accepted_token_ids[row]``, the tokens sampled after it (as many as proposals were accepted); the KV
+        written for the proposals after those is not valid, so its computed count rolls back over them and
+        their slots are written again later. Only tokens whose KV is valid are ever hashed into the prefix cache.
+
         Returns the requests that produced a token this step (finished ones included).
         """
-        requests, ends = self._in_flight.popleft()
+        requests, ends, proposed_by_row = self._in_flight.popleft()
+        if proposed_by_row:
+            self._roll_back_rejected(requests, ends, proposed_by_row, accepted_token_ids or {})
         advanced: list[Request] = []
         finished: list[Request] = []
         add_advanced = advanced.append
         done, running = RequestStatus.FINISHED, RequestStatus.RUNNING
         kv = self.kv
         caching, block_size, num_hashed_blocks = kv.enable_prefix_caching, kv.block_size, kv.num_hashed_blocks
-        for request, end, token_id in zip(requests, ends, sampled_token_ids):
+        for row, (request, end, token_id) in enumerate(zip(requests, ends, sampled_token_ids)):
             if request.static_padding or request.status is done:
                 continue
-            if (caching and request.status is running and end <= request.num_computed_tokens
-                    and end >= (num_hashed_blocks(request.request_id) + 1) * block_size):
-                kv.cache_computed_blocks(request.request_id, request.all_token_ids, end, request.cache_root)
-            if token_id is None:
-                if end == request.max_total_tokens:  # a prefill-only request's last chunk: it is done
-                    request.finish_reason = "length"
+            if token_id is not None:
+                request.num_pending_tokens -= 1
+                add_advanced(request)
+                if request.append_token(token_id) or (
+                        proposed_by_row and row in proposed_by_row
+                        and _append_accepted(request, accepted_token_ids[row])):
                     finished.append(request)
-                    self._ended_without_token.append(request)
-                continue  # a prefill chunk that is not the last one
-            request.num_pending_tokens -= 1
-            add_advanced(request)
-            if request.append_token(token_id):
+            elif end == request.max_total_tokens:  # a prefill-only request's last chunk: it is done
+                request.finish_reason = "length"
                 finished.append(request)
+                self._ended_without_token.append(request)
+            # after the tokens are appended: a speculative row's valid KV reaches into them
+            if (caching and request.status is running and end <= request.num_computed_tokens
+                    and end >= (num_hashed_blocks(request.request_id) + 1) * block_size
+                    and end <= len(request.all_token_ids)):
+                kv.cache_computed_blocks(request.request_id, request.all_token_ids, end, request.cache_root)
         for request in finished:
             self.finish(request, request.finish_reason)
         self._on_step_end()
         return advanced
+
+    @staticmethod
+    def _roll_back_rejected(requests: list[Request], ends: list[int], proposed_by_row: dict[int, list[int]],
+                            accepted_token_ids: dict[int, list[int]]) -> None:
+        for row, proposed in proposed_by_row.items():
+            request = requests[row]
+            rejected = len(proposed) - len(accepted_token_ids.get(row, ()))
+            ends[row] -= rejected
+            if request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens -= rejected
 
     def _on_step_end(self) -> None:
         pass
@@ -350,6 +379,7 @@ class ContinuousScheduler(Scheduler):
         preempted = False
         allocate, tables, block_size = self.kv.allocate, self.kv.block_tables, self.kv.block_size
         running_status = RequestStatus.RUNNING
+        speculative, can_fit = self.speculative, self.kv.can_fit
         decoding, prefilling = [], []
         for request in self.running:
             known = len(request.all_token_ids) + request.num_pending_tokens  # pending: sampled by an in-flight step
@@ -366,6 +396,11 @@ class ContinuousScheduler(Scheduler):
                 continue  # preempted earlier in this loop
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) + request.num_pending_tokens - computed
+            if speculative and num_new == 1 and request.spec_token_ids:
+                if can_fit(request.request_id, computed + 1 + len(request.spec_token_ids)):
+                    num_new += len(request.spec_token_ids)  # the budget may cut them short, below
+                else:
+                    request.spec_token_ids = ()  # no free blocks for them: decode plainly
             if num_new > budget:
                 num_new = budget
             table = tables.get(request.request_id)
@@ -527,6 +562,15 @@ class StaticScheduler(Scheduler):
             for request in self.running:
                 self.kv.free(request.request_id)
             self.running = []
+
+
+def _append_accepted(request: Request, token_ids: list[int]) -> bool:
+    """A speculative row's tokens after its first, in order; True if one ended the request (the rest are
+    dropped: they would not have been generated)."""
+    for token_id in token_ids:
+        if request.append_token(token_id):
+            return True
+    return False
 
 
 def make_scheduler(config: EngineConfig, num_kv_blocks: int) -> Scheduler:

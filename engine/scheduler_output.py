@@ -44,6 +44,9 @@ class SchedulerOutput:
     # Decode rows (by index) whose input is the token an earlier, still running step samples (async scheduling):
     # their input_token_ids entry is PLACEHOLDER_TOKEN_ID until the runner puts that token in.
     placeholder_rows: list[int] = field(default_factory=list)
+    # Decode rows (by index) that verify proposed tokens (speculative decoding): the row's input is its last token
+    # and then these, it samples at each of them, and the step emits the accepted ones plus one more token.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Requests that ended since the previous batch and had per-request state in the runner (penalty counts, a
     # grammar matcher): it can go.
     ended_ids: list[str] = field(default_factory=list)
@@ -59,6 +62,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.request_ids
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return sum(map(len, self.spec_token_ids.values())) if self.spec_token_ids else 0
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Rows that decode (one token, or one plus proposals), padding included."""
+        return self.query_lens.count(1) + len(self.spec_token_ids)
 
 
 @dataclass

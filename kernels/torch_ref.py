@@ -32,6 +32,8 @@ from kernels.dense_prefill import DensePrefillMetadata, dense_prefill_attention
 
 QUERY_TILE = 256  # query rows per tile of prefill attention
 DECODE_CHUNK_TOKENS = 128  # context tokens per split-KV chunk of decode attention
+# A chunk of at most this many tokens after a longer cached context is attended as that many decode queries.
+MAX_DECODE_QUERIES = 16
 
 
 @dataclass
@@ -67,12 +69,21 @@ class TorchPagedAttention(AttentionBackend):
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         device = layout.slot_mapping.device
         bs = layout.block_size
-        decode_rows, decode_tokens, prefill_rows = [], [], []
+        decode_rows, decode_tokens, decode_lens, prefill_rows = [], [], [], []
         token_start = 0
         for row, (q_len, seq_len) in enumerate(zip(layout.query_lens, layout.seq_lens)):
             if q_len == 1:
                 decode_rows.append(row)
                 decode_tokens.append(token_start)
+                decode_lens.append(seq_len)
+            elif q_len <= MAX_DECODE_QUERIES < seq_len:
+                # A short chunk after a long cached context (a decode row with speculative tokens to verify):
+                # each of its tokens is a decode query over the same block table that sees one more key than
+                # the one before (the chunk's own K/V is stored before attention), so the decode kernel takes
+                # them, with no per-row gather and no tile loop.
+                decode_rows.extend([row] * q_len)
+                decode_tokens.extend(range(token_start, token_start + q_len))
+                decode_lens.extend(range(seq_len - q_len + 1, seq_len + 1))
             elif seq_len == q_len:  # nothing cached before this chunk: attend to the chunk itself
                 prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, None))
             else:
@@ -88,8 +99,7 @@ class TorchPagedAttention(AttentionBackend):
         if decode_rows:
             metadata.decode_token_index = torch.tensor(decode_tokens, device=device)
             metadata.decode_tables = layout.block_tables[torch.tensor(decode_rows, device=device)]
-            metadata.decode_seq_lens = torch.tensor([layout.seq_lens[r] for r in decode_rows], dtype=torch.int64,
-                                                    device=device)
+            metadata.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
             self._prepare_decode(metadata, bs)
         return metadata
 
