@@ -77,13 +77,14 @@ class EngineRun:
 
 
 def step_sample(record) -> StepSample:
-    """The numbers of one engine ``StepRecord``."""
+    """The numbers of one engine ``StepRecord``. A row that verifies proposed tokens decodes."""
     batch = record.batch
     prefill = decode = padding = 0
-    for num_tokens, is_padding in zip(batch.query_lens, batch.padding):
+    verifying = batch.spec_token_ids
+    for row, (num_tokens, is_padding) in enumerate(zip(batch.query_lens, batch.padding)):
         if is_padding:
             padding += 1
-        elif num_tokens == 1:
+        elif num_tokens == 1 or row in verifying:
             decode += 1
         else:
             prefill += num_tokens

@@ -37,14 +37,14 @@ import torch
 
 from benchmarks import prefill_only
 from benchmarks.arrivals import arrival_times
-from benchmarks import structured
+from benchmarks import speculative, structured
 from benchmarks.engine_run import EngineRun, run_engine
 from benchmarks.hf_baselines import BASELINES, BaselineRun, quiet_transformers, run_hf_cb, run_hf_static
 from benchmarks.metrics import TokenWaste, summarize, useful_computed_tokens
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.vllm_baseline import add_vllm_args, describe_settings, run_vllm, settings_from_args
 from benchmarks.workloads import (
-    add_engine_args, add_workload_args, build_checkpoint, describe_workload, make_engine, positive_int,
+    WORKLOADS, add_engine_args, add_workload_args, build_checkpoint, describe_workload, make_engine, positive_int,
     workload_from_args,
 )
 
@@ -111,6 +111,13 @@ def run_system(system: str, model_path: str, requests, arrivals, args) -> System
         engine = make_engine(model_path, "continuous", args)
         result = from_engine_run(system, run_engine(engine, mixed, arrivals, desc=system))
         result.extra.update(structured.cached_schema_ttft_ms(engine, requests[0].prompt_token_ids))
+        return result
+    method = speculative.method_of(system)
+    if method is not None:
+        engine = make_engine(model_path, "continuous", args, speculative_config=speculative.speculative_config(
+            method, args.oracle_outputs))
+        result = from_engine_run(system, run_engine(engine, requests, arrivals, desc=system))
+        result.extra.update(speculative.summary(engine.stats()))
         return result
     if system in prefill_only.SYSTEMS:
         engine = make_engine(model_path, "continuous", args, prefill_lane=system == "lane")
@@ -179,6 +186,10 @@ def print_report(results: dict[str, SystemResult], runs: dict[str, list[SystemRe
                     [[f"{structured.fraction_of(s):g}", r.tokens_per_s,
                       f"{r.tokens_per_s / base.tokens_per_s:.3f}" if base else "-",
                       f"{r.extra['cached_schema_ttft_ms']:.2f}"] for s, r in structured_rows])
+    if any(speculative.method_of(s) for s in results):
+        print_table("speculative decoding (benchmarks.speculative): the same tokens, in fewer steps",
+                    ["method", "useful tok/s", "vs none", "proposed", "accepted", "acceptance", "verifying steps"],
+                    speculative.report_rows(results))
     if ratio_rows:
         print_table("ratios of useful tokens/s (targets from the engine issue)",
                     ["ratio", "value", "target", "result"],
@@ -247,6 +258,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     parser.add_argument("--structured-fraction", metavar="F[,F...]",
                         help="instead of --batching: continuous runs with these fractions of the requests under a JSON "
                              "schema (benchmarks.structured), e.g. 0,0.2,1.0")
+    parser.add_argument("--speculative", metavar="METHOD[,METHOD...]",
+                        help=f"instead of --batching: continuous runs with these speculative decoding methods, of "
+                             f"{','.join(speculative.METHODS)} (none: without; oracle: proposes a plain run's outputs, "
+                             f"computed first), greedy; see benchmarks.speculative")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--plot", metavar="PATH.png", help="also draw throughput, latency CDF and KV utilisation")
     args = parser.parse_args(argv)
@@ -258,6 +273,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     args.systems = [m for m in MODES if m in modes] + baselines
     if not args.systems:
         parser.error("--batching none with --baselines none leaves nothing to run")
+    if args.speculative:
+        methods = [m.strip() for m in args.speculative.split(",") if m.strip()]
+        unknown = sorted(set(methods) - set(speculative.METHODS))
+        if unknown or not methods:
+            parser.error(f"--speculative: unknown {unknown or [args.speculative]}; choose from "
+                         f"{','.join(speculative.METHODS)}")
+        if baselines or args.structured_fraction:
+            parser.error("--speculative compares our engine with itself: no --baselines or --structured-fraction")
+        args.systems = [speculative.system_name(m) for m in methods]
     if args.structured_fraction:
         try:
             fractions = [float(f) for f in args.structured_fraction.split(",") if f.strip()]
@@ -310,6 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     quiet_transformers()
     model_path = str(build_checkpoint(args.cache_dir))
+    if args.trace is None and WORKLOADS[name].copy_heavy:
+        requests = speculative.copy_heavy(requests, model_path, args)
+    args.oracle_outputs = (speculative.greedy_outputs(model_path, requests, args)
+                           if speculative.system_name("oracle") in args.systems else None)
     runs: dict[str, list[SystemResult]] = {system: [] for system in args.systems}
     load_start = load_average()
     started = time.perf_counter()
@@ -340,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(results, name, args.plot)
     write_json(args.json, {
         "benchmark": "offline", "workload_name": name, "workload": workload,
-        "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "oracle_outputs")},
         "model": model_path, "machine": {**describe_machine(), "load_average_start": loads[0],
                                          "load_average_end": loads[1]},
         "elapsed_s": time.perf_counter() - started,

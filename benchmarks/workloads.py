@@ -138,6 +138,8 @@ class WorkloadSpec:
     output_cycle: tuple[int, ...] = ()
     # every other request generates nothing: scoring (prompt logprobs) and embedding in turn
     prefill_only_mix: bool = False
+    # each prompt is extended by the checkpoint's own continuation of it (benchmarks.speculative.copy_heavy)
+    copy_heavy: bool = False
 
 
 WORKLOADS = {
@@ -153,6 +155,10 @@ WORKLOADS = {
     "prefill-only": WorkloadSpec("the seed's mix, every other request replaced by prompt scoring or an embedding "
                                  "(no output; the prefill lane vs mixed, see benchmarks.prefill_only)",
                                  PROMPT_LEN_RANGE, OUTPUT_LEN_RANGE, prefill_only_mix=True),
+    "copy": WorkloadSpec("copy-heavy: prompts of 50-300 tokens and then the checkpoint's own greedy continuation of "
+                         "them (120 tokens, built at start), outputs 100-200 that go on repeating spans of the prompt "
+                         "(speculative decoding's case, see benchmarks.speculative)", (50, 300), (100, 200),
+                         copy_heavy=True),
 }
 
 
@@ -209,7 +215,8 @@ def engine_args(batching: str, max_num_seqs: int = 64, max_num_batched_tokens: i
                 num_threads=threads, prefill_lane=prefill_lane)
 
 
-def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None = None, prefill_lane: bool = True):
+def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None = None, prefill_lane: bool = True,
+                speculative_config: dict[str, Any] | None = None):
     """Our engine in one batching mode, warmed up. Unless ``max_num_seqs`` is given, static batching has
     ``--static-batch-size`` slots (8 x 1,000 tokens of KV: the same batch of 8 as transformers' static run)
     and continuous ``--max-num-seqs``; both get the same KV budget. ``prefill_lane``: requests that generate
@@ -220,7 +227,7 @@ def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None =
         max_num_seqs = args.static_batch_size if batching == "static" else args.max_num_seqs
     budget = max(args.max_num_batched_tokens, max_num_seqs)  # the engine needs a token per slot at least
     engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, budget, args.threads, kv_blocks(args),
-                                                 prefill_lane))
+                                                 prefill_lane), speculative_config=speculative_config)
     warm_up_engine(engine)
     return engine
 

@@ -54,7 +54,15 @@ class ReplicaMetrics:
         self.timeouts = counter("llm_request_timeouts", "requests ended by their deadline")
         self.prompt_tokens = counter("llm_prompt_tokens", "prompt tokens of admitted requests")
         self.generation_tokens = counter("llm_generation_tokens", "tokens generated")
+        # Speculative decoding (engine.speculative), by method: what is proposed, what verification keeps.
+        self.spec_proposed = metrics.Counter("llm_spec_proposed_tokens", description="tokens proposed for "
+                                             "verification (speculative decoding)", tag_keys=("method",))
+        self.spec_accepted = metrics.Counter("llm_spec_accepted_tokens", description="proposed tokens accepted "
+                                             "(speculative decoding)", tag_keys=("method",))
+        self.spec_acceptance = metrics.Gauge("llm_spec_acceptance_rate", description="accepted / proposed tokens "
+                                             "since start (speculative decoding)", tag_keys=("method",))
         self._last_preemptions = 0
+        self._last_spec = (0, 0)
 
     def observe_step(self, seconds: float, batch_size: int) -> None:
         self.step_time.observe(seconds)
@@ -75,6 +83,19 @@ class ReplicaMetrics:
         if new_preemptions > 0:
             self.preemptions.inc(new_preemptions)
         self._last_preemptions = stats["num_preemptions"]
+        if "spec_method" in stats:
+            self._observe_speculation(stats)
+
+    def _observe_speculation(self, stats: dict[str, Any]) -> None:
+        tags = {"method": stats["spec_method"]}
+        proposed, accepted = stats["spec_num_proposed_tokens"], stats["spec_num_accepted_tokens"]
+        if proposed > self._last_spec[0]:
+            self.spec_proposed.inc(proposed - self._last_spec[0], tags=tags)
+        if accepted > self._last_spec[1]:
+            self.spec_accepted.inc(accepted - self._last_spec[1], tags=tags)
+        if stats["spec_acceptance_rate"] is not None:
+            self.spec_acceptance.set(stats["spec_acceptance_rate"], tags=tags)
+        self._last_spec = (proposed, accepted)
 
     def observe_finished(self, metrics_: Any, num_output_tokens: int, timed_out: bool) -> None:
         arrival = metrics_.arrival_time

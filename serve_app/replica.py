@@ -213,7 +213,8 @@ class LLMReplica:
                 "max_num_seqs": stats["max_num_seqs"], "max_model_len": stats["max_model_len"],
                 "block_size": stats["block_size"],  # for the router's prefix affinity (engine.block_hash)
                 "num_preemptions": stats["num_preemptions"], "num_finished_requests": stats["num_finished_requests"],
-                "num_generated_tokens": stats["num_generated_tokens"], "time": time.time()}
+                "num_generated_tokens": stats["num_generated_tokens"],
+                **{k: v for k, v in stats.items() if k.startswith("spec_")}, "time": time.time()}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve for the request router (and /stats): exact engine state, time-stamped."""

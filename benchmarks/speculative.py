@@ -1,0 +1,82 @@
+"""What speculative decoding buys: ``python -m benchmarks.offline --speculative none,ngram,oracle``.
+
+Each method is a continuous-batching run of the same workload with ``speculative_config={"method": ...}`` (none:
+no speculation), greedy, so every run emits the very same tokens and differs only in how many steps that takes
+and what each costs. ``oracle`` proposes what a plain run of the same requests produced (computed first, not
+timed): every proposal is accepted, the mechanism's ceiling. Reported per method: tok/s against none, proposed
+and accepted tokens, the acceptance rate and tokens per verifying step.
+
+``--workload copy`` is the copy-heavy case n-gram lookup is for: each prompt is a random prompt followed by the
+first ``COPY_PREFIX`` tokens of the benchmark checkpoint's own greedy continuation of it (a random model's greedy
+output falls into loops), so the output goes on repeating spans that are already in the prompt.
+
+    python -m benchmarks.offline --workload copy --max-num-seqs 1 --num-requests 16 --speculative none,ngram,oracle
+    python -m benchmarks.offline --workload seed --speculative none,ngram --repeats 3
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from benchmarks.workloads import BenchRequest, drain, engine_args, sampling_params
+
+METHODS = ("none", "ngram", "oracle")
+COPY_PREFIX = 120  # tokens of the model's own continuation appended to each copy-workload prompt
+
+
+def system_name(method: str) -> str:
+    return "continuous" if method == "none" else f"spec-{method}"
+
+
+def method_of(system: str) -> str | None:
+    return system.removeprefix("spec-") if system.startswith("spec-") else None
+
+
+def speculative_config(method: str, oracle_outputs: dict | None) -> dict[str, Any]:
+    config: dict[str, Any] = {"method": method}
+    if method == "oracle":
+        config["oracle_outputs"] = oracle_outputs
+    return config
+
+
+def greedy_outputs(model_path: str, requests: Sequence[BenchRequest], args) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Each request's greedy output, by prompt, from a plain engine (what the oracle proposes)."""
+    from engine import LLMEngine
+
+    engine = LLMEngine(model_path, **engine_args("continuous", args.max_num_seqs, args.max_num_batched_tokens,
+                                                 args.threads, args.kv_budget_tokens // 16))
+    for i, request in enumerate(requests):
+        engine.add_request(str(i), request.prompt_token_ids, sampling_params(request.max_tokens))
+    outputs = {int(o.request_id): o.outputs[0].token_ids for o in drain(engine)}
+    return {tuple(r.prompt_token_ids): tuple(outputs[i]) for i, r in enumerate(requests)}
+
+
+def copy_heavy(requests: Sequence[BenchRequest], model_path: str, args) -> list[BenchRequest]:
+    """``requests`` with each prompt extended by the model's own greedy continuation of it (``COPY_PREFIX``
+    tokens): what follows repeats what the prompt already holds."""
+    lead = [BenchRequest(r.prompt_token_ids, COPY_PREFIX) for r in requests]
+    continued = greedy_outputs(model_path, lead, args)
+    return [BenchRequest([*r.prompt_token_ids, *continued[tuple(r.prompt_token_ids)]], r.max_tokens)
+            for r in requests]
+
+
+def summary(stats: dict[str, Any]) -> dict[str, Any]:
+    """The engine's speculation counters: ``stats()``'s spec_* entries."""
+    return {k: v for k, v in stats.items() if k.startswith("spec_")}
+
+
+def report_rows(results: dict[str, Any]) -> list[list[Any]]:
+    """One row per method: tok/s, against none, proposed, accepted, acceptance rate, verifying steps."""
+    base = results.get("continuous")
+    rows = []
+    for system, result in results.items():
+        method = method_of(system) or ("none" if system == "continuous" else None)
+        if method is None:
+            continue
+        extra = result.extra
+        rate = extra.get("spec_acceptance_rate")
+        rows.append([method, result.tokens_per_s,
+                     f"{result.tokens_per_s / base.tokens_per_s:.2f}" if base is not None else "-",
+                     extra.get("spec_num_proposed_tokens", 0), extra.get("spec_num_accepted_tokens", 0),
+                     f"{rate:.0%}" if rate is not None else "-", extra.get("spec_num_steps", 0)])
+    return rows
