@@ -89,7 +89,7 @@ def step_sample(record) -> StepSample:
         else:
             prefill += num_tokens
     return StepSample(record.duration_s, prefill, decode, padding, len(record.running_ids), record.num_waiting,
-                      record.kv_blocks_used, record.kv_tokens_used)
+                      record.kv_blocks_used, record.kv_tokens_used, batch.num_spec_tokens)
 
 
 def engine_limits(engine) -> EngineLimits:

@@ -290,6 +290,50 @@ def seed_workload_run(model_dir: Path, batching: str, args) -> dict[str, Any]:
     return {"tokens_per_s": useful / seconds, "mean_latency_s": float(np.mean(latencies)), "seconds": seconds}
 
 
+def speculative_runs(model_dir: Path, args, num_requests: int = 4, prompt_len: int = 512,
+                     new_tokens: int = 128) -> dict[str, Any]:
+    """Speculative decoding at concurrency 1 (issue 18): the same greedy requests one at a time without
+    speculation, with the oracle (the plain run's outputs: the mechanism's ceiling) and with n-gram lookup.
+    Tokens per second and the acceptance of each; every run must emit the plain run's tokens."""
+    from engine import LLMEngine, SamplingParams
+
+    prompts = random_prompts(num_requests, prompt_len, seed=2)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    out: dict[str, Any] = {}
+    plain: list[list[int]] | None = None
+    for method in ("none", "oracle", "ngram"):
+        spec = None if method == "none" else {"method": method}
+        if method == "oracle":
+            spec["oracle_outputs"] = {tuple(p): tuple(o) for p, o in zip(prompts, plain)}
+        engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=1,
+                           max_num_batched_tokens=2048, attention_backend=args.attention_backend,
+                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048,
+                           speculative_config=spec)
+        engine.add_request("warm", prompts[0][:64], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        tokens: dict[int, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    tokens[int(o.request_id[1:])] = o.outputs[0].token_ids
+        seconds = time.perf_counter() - t0
+        outputs = [tokens[i] for i in range(num_requests)]
+        stats = engine.stats()
+        out[method] = {"tokens_per_s": num_requests * new_tokens / seconds,
+                       "same_tokens_as_plain": plain is None or outputs == plain,
+                       "acceptance_rate": stats.get("spec_acceptance_rate"),
+                       "proposed": stats.get("spec_num_proposed_tokens")}
+        plain = plain or outputs
+        del engine
+        free_cuda()
+    return out
+
+
 # -- driver ------------------------------------------------------------------------------------------
 def run_section(results: dict, name: str, fn: Callable[[], Any]) -> None:
     t0 = time.perf_counter()
@@ -313,8 +357,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "flash_attn", "triton", "torch"))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument("--kernel-test-timeout", type=int, default=200)
-    parser.add_argument("--sections", default="kernels,bandwidth,decode,transformers,seed",
-                        help="comma-separated subset of kernels,bandwidth,decode,transformers,seed")
+    parser.add_argument("--sections", default="kernels,bandwidth,decode,speculative,transformers,seed",
+                        help="comma-separated subset of kernels,bandwidth,decode,speculative,transformers,seed")
     parser.add_argument("--seed-requests", type=int, default=64)
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="sections that would start after this many seconds are skipped (the script must "
@@ -365,6 +409,9 @@ def main(argv=None) -> int:
                 bound = roofline(batch, prompt_len + 3 + steps / 2, num_layers, read_bw)  # mean context while timed
                 return {**measured, **bound, "fraction_of_roofline": measured["tokens_per_s"] / bound["roofline_tokens_per_s"]}
             run_section(results, f"decode_b{batch}", decode)
+    if "speculative" in sections:
+        run_section(results, "speculative", lambda: speculative_runs(model_dir, args, new_tokens=32 if args.quick
+                                                                       else 128))
     if "seed" in sections:
         for batching in ("static", "continuous"):
             run_section(results, f"seed_{batching}", lambda batching=batching: seed_workload_run(model_dir, batching, args))
@@ -433,6 +480,16 @@ def print_summary(results: dict[str, Any]) -> None:  # noqa: C901 (one row per m
         rows.append(("seed continuous/static: throughput x, latency x",
                      f"{cont['tokens_per_s'] / static['tokens_per_s']:.2f}, "
                      f"{cont['mean_latency_s'] / static['mean_latency_s']:.2f}"))
+    spec = results.get("speculative")
+    if isinstance(spec, dict) and "error" not in spec:
+        base = spec["none"]["tokens_per_s"]
+        for method, r in spec.items():
+            rate = r["acceptance_rate"]
+            rows.append((f"speculative {method}, concurrency 1: tok/s (x none), acceptance, same tokens",
+                         f"{num(r['tokens_per_s'])} (x{r['tokens_per_s'] / base:.2f}), "
+                         f"{'-' if rate is None else f'{rate:.0%}'}, {r['same_tokens_as_plain']}"))
+    elif spec is not None:
+        rows.append(("speculative", spec))
     width = max(len(str(k)) for k, _ in rows)
     print("\n" + "\n".join(f"{str(k):<{width}}  {v}" for k, v in rows))
 

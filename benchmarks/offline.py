@@ -115,7 +115,7 @@ def run_system(system: str, model_path: str, requests, arrivals, args) -> System
     method = speculative.method_of(system)
     if method is not None:
         engine = make_engine(model_path, "continuous", args, speculative_config=speculative.speculative_config(
-            method, args.oracle_outputs))
+            method, args.oracle_outputs, model_path))
         result = from_engine_run(system, run_engine(engine, requests, arrivals, desc=system))
         result.extra.update(speculative.summary(engine.stats()))
         return result

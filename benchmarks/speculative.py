@@ -6,6 +6,11 @@ and what each costs. ``oracle`` proposes what a plain run of the same requests p
 timed): every proposal is accepted, the mechanism's ceiling. Reported per method: tok/s against none, proposed
 and accepted tokens, the acceptance rate and tokens per verifying step.
 
+``draft`` proposes with a layer-skip draft of the benchmark checkpoint: the same weights with only its first
+``DRAFT_LAYERS`` decoder layers (``build_draft_checkpoint``; written once next to the checkpoint), so it shares the
+embeddings, the final norm and the head, costs a fraction of a target step and agrees with the target where the
+later layers change little.
+
 ``--workload copy`` is the copy-heavy case n-gram lookup is for: each prompt is a random prompt followed by the
 first ``COPY_PREFIX`` tokens of the benchmark checkpoint's own greedy continuation of it (a random model's greedy
 output falls into loops), so the output goes on repeating spans that are already in the prompt.
@@ -16,12 +21,16 @@ output falls into loops), so the output goes on repeating spans that are already
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks.workloads import BenchRequest, drain, engine_args, sampling_params
 
-METHODS = ("none", "ngram", "oracle")
+METHODS = ("none", "ngram", "draft", "oracle")
 COPY_PREFIX = 120  # tokens of the model's own continuation appended to each copy-workload prompt
+DRAFT_LAYERS = 1  # decoder layers the layer-skip draft keeps
 
 
 def system_name(method: str) -> str:
@@ -32,11 +41,38 @@ def method_of(system: str) -> str | None:
     return system.removeprefix("spec-") if system.startswith("spec-") else None
 
 
-def speculative_config(method: str, oracle_outputs: dict | None) -> dict[str, Any]:
+def speculative_config(method: str, oracle_outputs: dict | None, model_path: str) -> dict[str, Any]:
     config: dict[str, Any] = {"method": method}
     if method == "oracle":
         config["oracle_outputs"] = oracle_outputs
+    if method == "draft":
+        config["draft_model"] = str(build_draft_checkpoint(model_path))
     return config
+
+
+def build_draft_checkpoint(model_path: str, num_layers: int = DRAFT_LAYERS) -> Path:
+    """A copy of the checkpoint at ``model_path`` with only its first ``num_layers`` decoder layers (same
+    tokenizer, embeddings, final norm and head): a draft that costs a fraction of a target step. Written once."""
+    from safetensors.torch import load_file, save_file
+
+    source = Path(model_path)
+    target = source.with_name(f"{source.name}-draft-l{num_layers}")
+    if (target / "model.safetensors").exists():
+        return target
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, staging / name)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {name: tensor for name, tensor in load_file(source / "model.safetensors").items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+    save_file(kept, staging / "model.safetensors", metadata={"format": "pt"})
+    staging.rename(target)
+    return target
 
 
 def greedy_outputs(model_path: str, requests: Sequence[BenchRequest], args) -> dict[tuple[int, ...], tuple[int, ...]]:

@@ -46,10 +46,11 @@ class StepSample:
     num_waiting: int
     kv_blocks_used: int
     kv_tokens_used: int
+    num_spec_tokens: int = 0  # proposed tokens decode rows verified (speculative decoding)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_rows + self.num_padding_rows
+        return self.num_prefill_tokens + self.num_decode_rows + self.num_padding_rows + self.num_spec_tokens
 
     @property
     def kind(self) -> str:

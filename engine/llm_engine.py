@@ -23,6 +23,7 @@ from engine.sampling_params import PoolingParams, SamplingParams
 from engine.scheduler import make_scheduler
 from engine.scheduler_output import SchedulerOutput, StepRecord
 from engine.speculative import Speculator
+from engine.speculative.draft import DraftProposer
 from engine.request_maker import PromptInput, RequestMaker
 from engine.ttft_predictor import QueueView, Rank, TTFTPredictor, check_deadline, predicts_for
 
@@ -93,14 +94,23 @@ class LLMEngine:
                      and config.speculative_config is None)
         self._device = ThreadPoolExecutor(1, thread_name_prefix="inflight-device") if use_async else None
         self._in_flight: _Launched | None = None
-        self.speculator = (Speculator(config.speculative_config, self.eos_token_ids)
-                           if config.speculative_config is not None else None)
+        self.speculator = self._make_speculator()
         self.scheduler.speculative = self.speculator is not None
         # Requests whose structured output compiles on a pool thread (the step loop does not wait for it), and
         # those aborted meanwhile.
         self._grammar_pool: ThreadPoolExecutor | None = None
         self._compiling: list[tuple[Future, list[Request]]] = []
         self._aborted_unqueued: list[list[Request]] = []
+
+    def _make_speculator(self) -> Speculator | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        draft = None
+        if spec.method == "draft":  # its KV cache holds as many tokens as the target's
+            draft = DraftProposer(spec.draft_model, self.config, self.max_model_len, self.model_config.vocab_size,
+                                  self.runner.num_kv_blocks)
+        return Speculator(spec, self.eos_token_ids, draft)
 
     def _set_preemption_costs(self) -> None:
         """Swap or recompute a victim: time to copy its blocks out and back at the measured host-copy rate,
@@ -126,7 +136,8 @@ class LLMEngine:
         decode = batch.num_decode_rows - padding
         self._kv_samples.append(StepSample(
             seconds, batch.num_tokens - decode - padding - batch.num_spec_tokens, decode, padding, len(scheduler.running),
-            len(scheduler.waiting), scheduler.kv.pool.num_used, scheduler.kv_stats().num_tokens_used))
+            len(scheduler.waiting), scheduler.kv.pool.num_used, scheduler.kv_stats().num_tokens_used,
+            batch.num_spec_tokens))
         if self.num_steps % DIAGNOSE_EVERY:
             return
         config = self.config
@@ -307,6 +318,8 @@ class LLMEngine:
             output = make_output(children)
             if output.finished:
                 for child in children_of.pop(parent):
+                    if self.speculator is not None:
+                        self.speculator.forget(child.request_id)
                     if child.finish_reason in ("stop", "length") and not child.prefill_only:
                         self._sum_output_lengths += child.num_output_tokens
                         self._num_output_lengths += 1

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+# "draft": a smaller checkpoint with the target's vocabulary, its own paged KV cache (engine/speculative/draft.py).
 # "oracle" replays outputs known in advance (tests and benchmarks: the mechanism's ceiling, 100% acceptance).
-# "draft" (a smaller checkpoint with its own paged KV cache) and EAGLE-style heads plug in as further proposers.
-METHODS = ("ngram", "oracle")
+# An EAGLE-style head would be one more proposer (proposers.Proposer.propose_batch).
+METHODS = ("ngram", "draft", "oracle")
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,8 @@ class SpeculativeConfig:
     request's own prompt and output. ``adaptive``: each row's proposal length follows its measured acceptance
     and the step-cost model, which turns speculation off where it would lose (``Speculator``); off, every row
     with a proposal gets it whole. ``disable_above_batch_size``: no proposals at all while more rows than this
-    decode (None: no fixed limit). ``oracle_outputs``: for ``oracle`` only, each prompt's (token ids) output."""
+    decode (None: no fixed limit). ``draft_model``: for ``draft`` only, the draft checkpoint's path (or
+    "demo-tiny"). ``oracle_outputs``: for ``oracle`` only, each prompt's (token ids) output."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -25,6 +27,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     adaptive: bool = True
     disable_above_batch_size: int | None = None
+    draft_model: str | None = None
     oracle_outputs: Mapping[tuple[int, ...], tuple[int, ...]] | None = None
 
     @classmethod
@@ -47,8 +50,6 @@ class SpeculativeConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"speculative_config.{name} {why}, got {getattr(self, name)!r}")
 
-        if self.method == "draft":
-            raise bad("method", "'draft' (a draft checkpoint) is not available yet; use 'ngram'")
         if self.method not in METHODS:
             raise bad("method", f"must be one of {METHODS}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
@@ -62,5 +63,9 @@ class SpeculativeConfig:
         limit = self.disable_above_batch_size
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise bad("disable_above_batch_size", "must be an integer >= 1 or null")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise bad("draft_model", "is required by method 'draft' and only by it")
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise bad("draft_model", "must be a checkpoint path or 'demo-tiny'")
         if (self.method == "oracle") != (self.oracle_outputs is not None):
             raise bad("oracle_outputs", "is required by method 'oracle' and only by it")

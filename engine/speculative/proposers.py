@@ -18,6 +18,9 @@ class Proposer:
     def propose(self, request: "Request", k: int) -> list[int]:
         raise NotImplementedError
 
+    def forget(self, request_id: str) -> None:
+        """The request ended: state kept for it outside the request (a draft model's KV blocks) goes."""
+
     def propose_batch(self, requests: list["Request"], ks: list[int]) -> list[list[int]]:
         propose = self.propose
         return [propose(request, k) if k > 0 else [] for request, k in zip(requests, ks)]
@@ -72,9 +75,13 @@ class OracleProposer(Proposer):
         return list(expected[done:done + k])
 
 
-def make_proposer(config) -> Proposer:
+def make_proposer(config, draft: Proposer | None = None) -> Proposer:
+    """The proposer ``config.method`` names; ``draft``: the engine's ``DraftProposer`` for method ``draft`` (it
+    needs the engine's device, sizes and KV budget, so the engine builds it)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "oracle":
         return OracleProposer(config.oracle_outputs)
+    if config.method == "draft" and draft is not None:
+        return draft
     raise ValueError(f"speculative_config.method {config.method!r} has no proposer")

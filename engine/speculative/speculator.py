@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.proposers import make_proposer
+from engine.speculative.proposers import Proposer, make_proposer
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -80,9 +80,9 @@ class StepCostModel:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, config: SpeculativeConfig, eos_token_ids: frozenset[int], draft: Proposer | None = None) -> None:
         self.config = config
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, draft)
         self.eos_token_ids = eos_token_ids
         self.cost = StepCostModel()
         self.num_steps = 0
@@ -127,6 +127,10 @@ class Speculator:
         for request, proposal in zip(decoding, self.proposer.propose_batch(decoding, ks)):
             if proposal:
                 request.spec_token_ids = self._cut_at_stop(request, proposal)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (its proposer state outside the request goes)."""
+        self.proposer.forget(request_id)
 
     def _cut_at_stop(self, request: "Request", proposal: list[int]) -> list[int]:
         """Proposals stop before a token that would end the request: only the last token a step emits may."""

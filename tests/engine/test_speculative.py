@@ -43,7 +43,7 @@ def submit(engine, prompts, params) -> dict[str, object]:
     return run_engine(engine)
 
 
-@pytest.mark.parametrize("method", ["ngram", "oracle"])
+@pytest.mark.parametrize("method", ["ngram", "oracle", "draft"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_matches_transformers_with_speculation(checkpoint, arch, method):
     path = checkpoint(arch)
@@ -52,6 +52,8 @@ def test_greedy_matches_transformers_with_speculation(checkpoint, arch, method):
     want = [hf_greedy(path, prompt, n) for prompt, n in zip(prompts, MAX_TOKENS)]
     if method == "oracle":
         spec = {"method": "oracle", "oracle_outputs": corrupted({tuple(p): w for p, w in zip(prompts, want)})}
+    elif method == "draft":  # another random checkpoint of the same architecture: it agrees now and then
+        spec = {"method": "draft", "draft_model": str(checkpoint(arch, seed=1)), "adaptive": False}
     else:
         spec = {"method": "ngram", "prompt_lookup_min": 1, "adaptive": False}
     engine = make_engine(path, speculative_config=spec, **PRESSURE)
@@ -65,6 +67,8 @@ def test_greedy_matches_transformers_with_speculation(checkpoint, arch, method):
     assert stats["spec_num_accepted_tokens"] < stats["spec_num_proposed_tokens"]
     if method == "oracle":
         assert stats["spec_num_accepted_tokens"] > stats["spec_num_proposed_tokens"] / 2
+    if method == "draft":  # the draft's blocks went back with the requests
+        assert engine.speculator.proposer.kv.pool.num_used == 0
     assert stats["kv_blocks_used"] == 0
     engine.scheduler.kv.check_invariants()
 
@@ -78,6 +82,19 @@ def test_ngram_accepts_where_the_output_repeats_and_changes_nothing():
     stats = engine.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_proposed_tokens"]
     assert stats["num_generated_tokens"] == 240
+
+
+def test_a_draft_that_is_the_target_is_always_right(checkpoint):
+    """The target as its own draft: every greedy guess is the target's next token (the draft's KV catches up
+    through chunks and rolls over its own guesses correctly), so nearly every proposal is accepted."""
+    path = checkpoint("llama")
+    prompts = random_prompts(4, 10, 40, seed=8)
+    plain = submit(make_engine(path), prompts, [greedy(40)] * 4)
+    engine = make_engine(path, speculative_config={"method": "draft", "draft_model": str(path), "adaptive": False})
+    got = submit(engine, prompts, [greedy(40)] * 4)
+    assert all(got[k].outputs[0].token_ids == plain[k].outputs[0].token_ids for k in plain)
+    stats = engine.stats()
+    assert stats["spec_acceptance_rate"] > 0.95 and stats["spec_num_proposed_tokens"] > 100
 
 
 def test_sampled_outputs_are_identical_with_and_without_speculation():
@@ -234,8 +251,16 @@ def test_cost_model_switches_speculation_off_where_it_loses():
     assert "disable_above_batch_size" in engine.stats()["spec_off_reason"]
 
 
+def test_a_draft_with_another_vocabulary_is_refused(checkpoint):
+    other = checkpoint("llama", vocab_size=300)
+    with pytest.raises(ValueError, match="draft_model: its vocabulary"):
+        make_engine(checkpoint("llama"), speculative_config={"method": "draft", "draft_model": str(other)})
+
+
 @pytest.mark.parametrize("spec, overrides, message", [
-    ({"method": "draft"}, {}, "speculative_config.method"),
+    ({"method": "draft"}, {}, "draft_model"),
+    ({"method": "ngram", "draft_model": "demo-tiny"}, {}, "draft_model"),
+    ({"method": "magic"}, {}, "speculative_config.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, {}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, {}, "prompt_lookup_min"),
     ({"method": "ngram", "bogus": 1}, {}, "bogus"),

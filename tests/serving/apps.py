@@ -16,7 +16,11 @@ DEPLOY_TIMEOUT_S = 120.0
 # test can force preemption with three long requests.
 DEMO_APP_ARGS: dict[str, Any] = {
     "model": "demo-tiny",
-    "engine_args": {"max_model_len": 2048, "max_num_seqs": 32, "num_threads": 1, "num_kv_blocks": 256},
+    # With speculative decoding (n-gram lookup; demo-tiny's greedy output repeats itself, so proposals are made and
+    # accepted): every serving test of this app runs through verification steps that emit several tokens at once.
+    # The 2-replica app decodes plainly.
+    "engine_args": {"max_model_len": 2048, "max_num_seqs": 32, "num_threads": 1, "num_kv_blocks": 256,
+                    "speculative_config": {"method": "ngram"}},
     "num_replicas": 1,
     "num_cpus_per_replica": 1,
     "max_pending_requests": 48,

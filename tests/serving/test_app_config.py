@@ -55,6 +55,8 @@ def test_serve_run_style_bad_args_name_the_argument(cli_arg, named):
     ({"block_size": 12}, "block_size"),
     ({"dtype": "int3"}, "dtype"),
     ({"model": "demo-tiny"}, "model"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 99}}, "num_speculative_tokens"),
+    ({"speculative_config": {"method": "draft"}}, "draft_model"),
 ])
 def test_bad_engine_args_raise_value_error_naming_them(engine_args, named):
     with pytest.raises(ValueError, match=named):

@@ -22,12 +22,14 @@ from tests.serving.helpers import (
 
 GAUGES = ["ray_llm_kv_cache_usage_ratio", "ray_llm_kv_cache_token_usage_ratio", "ray_llm_num_requests_running",
           "ray_llm_num_requests_waiting", "ray_llm_batch_size", "ray_llm_kv_blocks_live", "ray_llm_kv_blocks_cached",
-          "ray_llm_kv_blocks_empty", "ray_llm_kv_cache_underused"]
+          "ray_llm_kv_blocks_empty", "ray_llm_kv_cache_underused", "ray_llm_spec_acceptance_rate"]
 HISTOGRAMS = ["ray_llm_time_to_first_token_seconds", "ray_llm_time_per_output_token_seconds",
               "ray_llm_e2e_request_latency_seconds", "ray_llm_request_queue_time_seconds",
               "ray_llm_scheduler_step_seconds"]
 COUNTERS = ["ray_llm_num_preemptions", "ray_llm_admission_rejections", "ray_llm_request_timeouts",
-            "ray_llm_prompt_tokens", "ray_llm_generation_tokens"]
+            "ray_llm_prompt_tokens", "ray_llm_generation_tokens",
+            # the demo app speculates (n-gram lookup; tests/serving/apps.py), and its long repetitive prompts match
+            "ray_llm_spec_proposed_tokens", "ray_llm_spec_accepted_tokens"]
 EXPORT_WAIT_S = 45.0  # Ray exports user metrics every few seconds; first appearance can take ~10 s
 
 
@@ -58,9 +60,11 @@ def _make_traffic(base: str) -> dict[str, int]:
                 max_tokens=1900, ignore_eos=True, timeout=1.0)))
             await asyncio.sleep(0.3)
             # Three requests that each grow to ~1500 tokens: 3 x 94 blocks > the 256-block pool -> preemption.
-            # Their prompts differ from the first character, so prefix caching cannot share their blocks.
+            # Their prompts differ from the first character, so prefix caching cannot share their blocks. Greedy:
+            # demo-tiny's greedy output repeats itself, so n-gram speculation has proposals accepted.
             squeeze = [client.post("/v1/completions", json=completion_body(f"{i}" + "a" * 1200, max_tokens=300,
-                                                                           ignore_eos=True)) for i in range(3)]
+                                                                           ignore_eos=True, temperature=0.0))
+                       for i in range(3)]
             *squeezed, timed_out = await gather_bounded(squeeze + [timeout], timeout=60)
             assert [r.status_code for r in squeezed] == [200] * 3, [r.text[:200] for r in squeezed]
             assert timed_out.status_code == 504, timed_out.text
@@ -109,6 +113,10 @@ def test_llm_metrics_exported_after_traffic(server):
     # Serve names the source of every engine-side series.
     for _, labels, _ in _app_samples(samples, "ray_llm_generation_tokens"):
         assert labels.get("deployment") == "LLMReplica" and labels.get("replica"), labels
+    # Speculation is counted by method, and verification keeps no more than was proposed.
+    proposed, accepted = (sum(v for _, lab, v in _app_samples(samples, f"ray_llm_spec_{kind}_tokens")
+                              if lab.get("method") == "ngram") for kind in ("proposed", "accepted"))
+    assert 0 < accepted <= proposed, (accepted, proposed)
     # Admission rejections decided by the router are counted by the router.
     routers = [lab for _, lab, v in _app_samples(samples, "ray_llm_admission_rejections") if v > 0]
     assert any(lab.get("deployment") == "Router" for lab in routers), routers
@@ -128,3 +136,4 @@ def test_stats_endpoint_shape(client):
     assert 0 <= replica["kv_blocks_cached"] <= replica["kv_blocks_free"]  # cached blocks are reclaimable
     assert 0 <= replica["prefix_cache_hit_tokens"] <= replica["prefix_cache_query_tokens"]
     assert abs(replica["time"] - time.time()) < 5
+    assert replica["spec_method"] == "ngram" and replica["spec_num_accepted_tokens"] <= replica["spec_num_proposed_tokens"]
