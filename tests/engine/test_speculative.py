@@ -150,6 +150,60 @@ def test_structured_output_rejects_what_the_grammar_forbids():
     assert engine.stats()["spec_num_accepted_tokens"] > 0
 
 
+def test_blocks_cached_after_rejections_hold_the_right_kv():
+    """A request's generated tokens go into the prefix cache as its blocks fill; rows roll back over rejected
+    proposals all the time. A second request whose prompt is the first one's prompt and output reuses those
+    blocks, and must continue exactly as on an engine without speculation (wrong KV under a right hash would
+    change its tokens)."""
+    prompt = random_prompts(1, 20, 20, seed=11)[0]
+    plain_engine = make_engine()
+    first = submit(plain_engine, [prompt], [greedy(48)])["r0"].outputs[0].token_ids
+    follow_up = prompt + first[:40]
+    want = submit(plain_engine, [follow_up], [greedy(20)])["r0"].outputs[0].token_ids
+    for every in (2, 3, 4, 5):  # rejections at every offset in a row's proposals, and so across block ends
+        oracle = corrupted({tuple(prompt): first}, every=every)
+        engine = make_engine(speculative_config={"method": "oracle", "oracle_outputs": oracle, "adaptive": False})
+        assert submit(engine, [prompt], [greedy(48)])["r0"].outputs[0].token_ids == first
+        hits_before = engine.stats()["prefix_cache_hit_tokens"]
+        assert submit(engine, [follow_up], [greedy(20)])["r0"].outputs[0].token_ids == want, every
+        assert engine.stats()["prefix_cache_hit_tokens"] - hits_before >= 56  # 14 of its 15 full blocks of 4
+
+
+@pytest.mark.parametrize("accepted, hashed_blocks", [(4, 3), (3, 2), (0, 2)])
+def test_only_valid_kv_is_hashed_into_the_prefix_cache(accepted, hashed_blocks):
+    """A 7-token prompt, then a decode row at position 7 with 4 proposals (positions 8-11: the step ends exactly
+    at a block end, 12). Blocks are hashed up to the KV that verification kept: 8 + ``accepted`` positions."""
+    from tests.engine.helpers import fake_step, make_request, make_scheduler
+
+    scheduler = make_scheduler(block_size=4)
+    scheduler.speculative = True
+    request = make_request("a", 7, max_tokens=20)
+    scheduler.add(request)
+    fake_step(scheduler, 50)  # the prompt, and the first token
+    request.spec_token_ids = [51, 52, 53, 54]
+    out = scheduler.schedule()
+    assert out.query_lens == [5] and out.spec_token_ids == {0: [51, 52, 53, 54]}
+    emitted = [51, 52, 53, 54, 55][:accepted] + [99]
+    scheduler.update([emitted[0]], {0: emitted[1:]})
+    assert request.output_token_ids == [50, *emitted]
+    assert request.num_computed_tokens == 8 + accepted
+    assert scheduler.kv.num_hashed_blocks("a") == hashed_blocks
+
+
+def test_swapped_out_and_back_mid_speculation():
+    prompts = random_prompts(len(MAX_TOKENS), 2, 40, seed=6)
+    params = [greedy(n) for n in MAX_TOKENS]
+    plain = submit(make_engine(**PRESSURE), prompts, params)
+    oracle = corrupted({tuple(p): plain[f"r{i}"].outputs[0].token_ids for i, p in enumerate(prompts)})
+    engine = make_engine(speculative_config={"method": "oracle", "oracle_outputs": oracle, "adaptive": False},
+                         preemption_mode="swap", swap_space_bytes=1 << 20, **PRESSURE)
+    got = submit(engine, prompts, params)
+    assert all(got[k].outputs[0].token_ids == plain[k].outputs[0].token_ids for k in plain)
+    stats = engine.stats()
+    assert stats["num_swapped_out_bytes"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["kv_blocks_used"] == 0
+
+
 def test_aborts_and_deadlines_free_everything_mid_speculation():
     prompts = random_prompts(4, 10, 30, seed=4)
     oracle = {tuple(p): tuple(range(10, 200)) for p in prompts}
