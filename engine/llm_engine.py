@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 from engine.config import EngineConfig
 from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
 from engine.models.loader import read_model_source
-from engine.model_runner import ModelRunner, RunnerOutput
+from engine.model_runner import ModelRunner, RunnerOutput, SharedBudget, resolve_device, resolve_dtype
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.prefill_lane import PrefillLane
@@ -61,7 +61,7 @@ class LLMEngine:
         self.eos_token_ids = source.eos_token_ids
         self._max_model_len_note = ""
         self.max_model_len = self._resolve_max_model_len(source.config)
-        self.runner = ModelRunner(self.config, source, self.max_model_len)
+        self.runner = ModelRunner(self.config, source, self.max_model_len, self._draft_budget())
         self.config = self.runner.config  # the attention backend may have raised block_size
         self.max_model_len = self._fit_max_model_len_to_pool(self.runner.num_kv_blocks)
         self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks)
@@ -101,6 +101,15 @@ class LLMEngine:
         self._grammar_pool: ThreadPoolExecutor | None = None
         self._compiling: list[tuple[Future, list[Request]]] = []
         self._aborted_unqueued: list[list[Request]] = []
+
+    def _draft_budget(self) -> SharedBudget | None:
+        """A draft model's share of the KV budget (its weights, and KV for as many tokens as the target's)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft":
+            return None
+        draft = read_model_source(spec.draft_model).config
+        itemsize = resolve_dtype(self.config.dtype, draft.torch_dtype, resolve_device(self.config.device)).itemsize
+        return SharedBudget(draft.num_parameters * itemsize, draft.kv_bytes_per_token(itemsize))
 
     def _make_speculator(self) -> Speculator | None:
         spec = self.config.speculative_config

@@ -80,9 +80,20 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device)
     return getattr(torch, name)
 
 
+@dataclass(frozen=True)
+class SharedBudget:
+    """What another model on the same device takes from the KV budget (a draft model: engine.speculative.draft):
+    its weights, and its KV per token (its cache holds as many tokens as this one's)."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
+                 shared: SharedBudget | None = None) -> None:
         self.config = config
+        self.shared = shared
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, source.config.torch_dtype, self.device)
         if config.num_threads is not None and self.device.type == "cpu":
@@ -134,9 +145,14 @@ class ModelRunner:
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
 
     def _count_kv_blocks(self, max_model_len: int) -> int:
+        """Blocks for the KV budget; with a ``SharedBudget`` the budget holds a block of the other model's KV for
+        every block of ours, and on CUDA its weights too (an explicit ``num_kv_blocks`` is taken as it is)."""
         config = self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
+        per_block, shared = self.kv_bytes_per_block, self.shared
+        if shared is not None:
+            per_block += shared.kv_bytes_per_token * self.block_size
         if config.kv_cache_memory_bytes is not None:
             budget = config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -145,14 +161,16 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free  # the weights, and whatever else lives on the device
             budget = int(total * config.gpu_memory_utilization) - used - activations
+            if shared is not None:  # loaded after this count: its weights come out of the same budget
+                budget -= shared.weight_bytes
         else:
             # Enough for every slot at full length, capped so a laptop is not swamped.
-            wanted = config.max_num_seqs * -(-max_model_len // self.block_size) * self.kv_bytes_per_block
+            wanted = config.max_num_seqs * -(-max_model_len // self.block_size) * per_block
             budget = min(wanted, CPU_DEFAULT_KV_BYTES)
-        num_blocks = budget // self.kv_bytes_per_block
+        num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes: {budget} bytes is less than one KV block "
-                             f"({self.kv_bytes_per_block} bytes)")
+                             f"({per_block} bytes)")
         return int(num_blocks)
 
     @torch.inference_mode()

@@ -29,6 +29,20 @@ class ModelConfig:
     sliding_window: int | None
     torch_dtype: str | None
 
+    @property
+    def num_parameters(self) -> int:
+        """Weights of the decoder (embeddings, attention, MLP, norms, head; biases and q/k norms too)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        attention += (q + 2 * kv if self.qkv_bias else 0) + (self.hidden_size if self.o_bias else 0)
+        attention += 2 * self.head_dim if self.qk_norm else 0
+        layer = attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.vocab_size * self.hidden_size + self.num_layers * layer + self.hidden_size + head
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         architectures = hf.get("architectures") or []

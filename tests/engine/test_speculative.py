@@ -326,3 +326,31 @@ def test_a_draft_with_another_vocabulary_is_refused(checkpoint):
 def test_bad_speculative_settings_are_refused(spec, overrides, message):
     with pytest.raises(ValueError, match=message):
         make_engine(speculative_config=spec, **overrides)
+
+
+def test_a_draft_takes_its_kv_from_the_same_budget(checkpoint):
+    """Sized in bytes, the target's blocks and the draft's (as many) fit the one budget together."""
+    from engine.models.loader import read_model_source
+
+    path = checkpoint("llama")
+    budget = 1 << 20
+    alone = make_engine(path, num_kv_blocks=None, kv_cache_memory_bytes=budget)
+    paired = make_engine(path, num_kv_blocks=None, kv_cache_memory_bytes=budget,
+                         speculative_config={"method": "draft", "draft_model": str(path)})
+    draft = paired.speculator.proposer.runner
+    assert draft.num_kv_blocks == paired.runner.num_kv_blocks == alone.runner.num_kv_blocks // 2
+    used = (paired.runner.num_kv_blocks * paired.runner.kv_bytes_per_block
+            + draft.num_kv_blocks * draft.kv_bytes_per_block)
+    assert used <= budget
+
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_parameter_count_matches_the_model(checkpoint, arch):
+    """What the budget sets aside for a draft's weights on a GPU: ModelConfig.num_parameters, exactly."""
+    from engine.models.loader import read_model_source
+
+    path = checkpoint(arch)
+    engine = make_engine(path)
+    assert read_model_source(str(path)).config.num_parameters == sum(
+        p.numel() for p in engine.runner.model.parameters())
