@@ -398,7 +398,7 @@ class LLMEngine:
                            for row, (rid, lp) in enumerate(zip(batch.request_ids, logprobs)) if lp is not None}
                           if logprobs.count(None) != len(logprobs) else None)
         advanced = scheduler.update(result.sampled_token_ids, accepted)
-        for request in self.output_processor.process_tokens(advanced, logprobs_by_id):
+        for request in self.output_processor.process_tokens(advanced, logprobs_by_id, scheduler.num_appended):
             if not request.is_finished:
                 scheduler.finish(request, "stop")  # a stop string ended it
         for request in advanced:

@@ -18,10 +18,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob entries name every token)
 
-    def process_tokens(self, requests: list[Request],
-                       logprobs_by_id: dict[str, list[TokenLogprobs]] | None = None) -> list[Request]:
-        """Account for the tokens each of ``requests`` just got (one, or several after a speculative step, with
-        their logprobs in order); returns those a stop string ended.
+    def process_tokens(self, requests: list[Request], logprobs_by_id: dict[str, list[TokenLogprobs]] | None = None,
+                       num_appended: dict[str, int] | None = None) -> list[Request]:
+        """Account for the token each of ``requests`` just got (its logprobs, in a one-entry list); returns those a
+        stop string ended. ``num_appended``: requests that got several tokens (a speculative step), and how many.
 
         One call per step with its loop inside: this runs for every row of every step."""
         stopped = []
@@ -29,35 +29,38 @@ class OutputProcessor:
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = time.time()
+            count = num_appended.get(request.request_id, 1) if num_appended else 1
             decoder = request.decoder
-            output_token_ids = request.output_token_ids
             if decoder is None:
                 decoder = request.decoder = self.tokenizer.decode_stream(request.params.skip_special_tokens)
-                # a continued sequence's earlier tokens (engine.request.Continuation): replayed, already checked
-                for token_id in output_token_ids[:request.sent_token_len]:
+                for token_id in request.output_token_ids[:-count]:  # a continued sequence's earlier tokens (if any)
                     request.text += decoder.step(token_id) or ""
-                request.num_detokenized = request.sent_token_len
-            first_new = request.num_detokenized
-            request.num_detokenized = len(output_token_ids)
             if logprobs_by_id is not None and request.logprobs is not None:
                 for token_logprobs in logprobs_by_id.get(request.request_id, ()):
                     self._append_logprobs(request, token_logprobs)
-            if first_new == len(output_token_ids) - 1:  # the usual case: one new token
-                piece = decoder.step(output_token_ids[-1])
-                if piece:
-                    request.text += piece
-                    if request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
-                        stopped.append(request)
+            if count > 1:
+                if self._several_tokens(request, decoder, count):
+                    stopped.append(request)
                 continue
-            for index in range(first_new, len(output_token_ids)):  # several: each is checked for a stop string
-                piece = decoder.step(output_token_ids[index])
-                if piece:
-                    request.text += piece
-                    if request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
-                        request.drop_tokens_after(index + 1)  # later tokens would not have been generated
-                        stopped.append(request)
-                        break
+            piece = decoder.step(request.output_token_ids[-1])
+            if piece:
+                request.text += piece
+                if request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
+                    stopped.append(request)
         return stopped
+
+    def _several_tokens(self, request: Request, decoder, count: int) -> bool:
+        """The last ``count`` output tokens, each checked for a stop string; True if one ended the request (the
+        tokens after it go: they would not have been generated)."""
+        output_token_ids = request.output_token_ids
+        for index in range(len(output_token_ids) - count, len(output_token_ids)):
+            piece = decoder.step(output_token_ids[index])
+            if piece:
+                request.text += piece
+                if request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
+                    request.drop_tokens_after(index + 1)
+                    return True
+        return False
 
     @staticmethod
     def _cut_at_stop_string(request: Request, old_len: int) -> bool:

@@ -68,7 +68,7 @@ class Request:
         "finish_reason", "stop_reason", "metrics", "deadline", "generator", "max_total_tokens",
         "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
         "cumulative_logprob", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
-        "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root", "num_detokenized",
+        "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root",
         "spec_token_ids", "spec_state", "spec_acceptance",
     )
 
@@ -116,7 +116,6 @@ class Request:
         self.sent_text_len = 0
         self.sent_token_len = 0
         self.decoder = None
-        self.num_detokenized = 0  # output tokens the decoder has seen
         self.sent_first_output = False  # delta outputs carry the prompt's fields in the first one only
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -223,7 +222,6 @@ class Request:
             del self.all_token_ids[len(self.all_token_ids) - dropped:]
             if self.logprobs is not None:
                 del self.logprobs[num_output_tokens:]
-            self.num_detokenized = min(self.num_detokenized, num_output_tokens)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.value}, "

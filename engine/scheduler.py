@@ -51,6 +51,7 @@ class Scheduler:
         # Speculative decoding: a decode row also computes its request's ``spec_token_ids`` (set by the engine's
         # Speculator before each schedule) when blocks for them are free; they never cause a preemption.
         self.speculative = False
+        self.num_appended: dict[str, int] = {}  # the latest update's requests that got several tokens: how many
         self._num_with_deadline = 0
         # Fair share (scheduling_policy "fair"): tokens of service each tenant has had (a virtual token counter),
         # and how many requests each has here (waiting or running).
@@ -282,6 +283,8 @@ class Scheduler:
         requests, ends, proposed_by_row = self._in_flight.popleft()
         if proposed_by_row:
             self._roll_back_rejected(requests, ends, proposed_by_row, accepted_token_ids or {})
+        if self.num_appended:
+            self.num_appended = {}
         advanced: list[Request] = []
         finished: list[Request] = []
         add_advanced = advanced.append
@@ -294,9 +297,8 @@ class Scheduler:
             if token_id is not None:
                 request.num_pending_tokens -= 1
                 add_advanced(request)
-                if request.append_token(token_id) or (
-                        proposed_by_row and row in proposed_by_row
-                        and _append_accepted(request, accepted_token_ids[row])):
+                if request.append_token(token_id) or (proposed_by_row and row in proposed_by_row
+                                                      and self._append_accepted(request, accepted_token_ids[row])):
                     finished.append(request)
             elif end == request.max_total_tokens:  # a prefill-only request's last chunk: it is done
                 request.finish_reason = "length"
@@ -311,6 +313,20 @@ class Scheduler:
             self.finish(request, request.finish_reason)
         self._on_step_end()
         return advanced
+
+    def _append_accepted(self, request: Request, token_ids: list[int]) -> bool:
+        """A speculative row's tokens after its first, in order (how many tokens the row got goes into
+        ``num_appended``); True if one ended the request (the rest are dropped: they would not have been
+        generated)."""
+        appended, ended = 1, False
+        for token_id in token_ids:
+            appended += 1
+            if request.append_token(token_id):
+                ended = True
+                break
+        if appended > 1:
+            self.num_appended[request.request_id] = appended
+        return ended
 
     @staticmethod
     def _roll_back_rejected(requests: list[Request], ends: list[int], proposed_by_row: dict[int, list[int]],
@@ -562,15 +578,6 @@ class StaticScheduler(Scheduler):
             for request in self.running:
                 self.kv.free(request.request_id)
             self.running = []
-
-
-def _append_accepted(request: Request, token_ids: list[int]) -> bool:
-    """A speculative row's tokens after its first, in order; True if one ended the request (the rest are
-    dropped: they would not have been generated)."""
-    for token_id in token_ids:
-        if request.append_token(token_id):
-            return True
-    return False
 
 
 def make_scheduler(config: EngineConfig, num_kv_blocks: int) -> Scheduler:
