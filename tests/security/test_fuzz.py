@@ -19,6 +19,7 @@ from tests.serving.helpers import wait_idle
 
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 MAX_EXAMPLES = int(os.environ.get("INFLIGHT_FUZZ_EXAMPLES", "15"))
+TOOL_CRASH = "SystemError: AST constructor recursion depth mismatch"
 RUN_TIMEOUT_S = 360 * max(1, MAX_EXAMPLES // 25)  # a longer run (docs/security.md) gets the time it needs
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60, func_only=True)
 
@@ -38,6 +39,11 @@ def test_no_route_answers_a_5xx_to_anything(fuzz_app, tmp_path):
                "--mode", "all", "--max-examples", str(MAX_EXAMPLES), "--request-timeout", "60",
                "--generation-deterministic", "--workers", "2", "--phases", "examples,coverage,fuzzing"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=tmp_path)
+    if result.returncode != 0 and TOOL_CRASH in result.stdout:
+        # The fuzzer itself crashed while drawing an example (CPython's ast recursion counter, inside hypothesis;
+        # seen once in ~20 runs, no request of ours involved): run it again rather than report a tool bug. The
+        # generation is deterministic, so a real failure of a check comes back in the second run.
+        result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert httpx.get(fuzz_app + "/health", timeout=10.0).status_code == 200
     stats = wait_idle(fuzz_app, timeout=60.0)
