@@ -178,27 +178,39 @@ def roofline(batch: int, context: float, num_layers: int, read_bw: float) -> dic
 
 # -- 4. transformers on the same workload ----------------------------------------------------------------
 def same_workload_ours(model_dir: Path, prompts, new_tokens: int, args) -> float:
-    from engine import LLMEngine, SamplingParams
+    from engine import LLMEngine
 
     engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=len(prompts),
                        max_num_batched_tokens=8192, attention_backend=args.attention_backend,
                        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    engine.add_request("warm", prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    produced = 0
-    while engine.has_unfinished_requests():
-        produced += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    seconds = time.perf_counter() - t0
+    outputs, seconds = timed_greedy_run(engine, prompts, new_tokens)
+    produced = sum(map(len, outputs))
     assert produced == len(prompts) * new_tokens, produced
     del engine
     free_cuda()
     return len(prompts) * new_tokens / seconds
+
+
+def timed_greedy_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """After one short warm-up request, all ``prompts`` at once, greedy, ``new_tokens`` each: every request's tokens
+    (in order) and the seconds from submission to the last one."""
+    from engine import SamplingParams
+
+    engine.add_request("warm", prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[int(output.request_id[1:])] = output.outputs[0].token_ids
+    seconds = time.perf_counter() - t0
+    return [tokens[i] for i in range(len(prompts))], seconds
 
 
 def hf_model(model_dir: Path):
@@ -295,10 +307,9 @@ def speculative_runs(model_dir: Path, args, num_requests: int = 4, prompt_len: i
     """Speculative decoding at concurrency 1 (issue 18): the same greedy requests one at a time without
     speculation, with the oracle (the plain run's outputs: the mechanism's ceiling) and with n-gram lookup.
     Tokens per second and the acceptance of each; every run must emit the plain run's tokens."""
-    from engine import LLMEngine, SamplingParams
+    from engine import LLMEngine
 
     prompts = random_prompts(num_requests, prompt_len, seed=2)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {}
     plain: list[list[int]] | None = None
     for method in ("none", "oracle", "ngram"):
@@ -309,20 +320,7 @@ def speculative_runs(model_dir: Path, args, num_requests: int = 4, prompt_len: i
                            max_num_batched_tokens=2048, attention_backend=args.attention_backend,
                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048,
                            speculative_config=spec)
-        engine.add_request("warm", prompts[0][:64], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, params)
-        tokens: dict[int, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    tokens[int(o.request_id[1:])] = o.outputs[0].token_ids
-        seconds = time.perf_counter() - t0
-        outputs = [tokens[i] for i in range(num_requests)]
+        outputs, seconds = timed_greedy_run(engine, prompts, new_tokens)
         stats = engine.stats()
         out[method] = {"tokens_per_s": num_requests * new_tokens / seconds,
                        "same_tokens_as_plain": plain is None or outputs == plain,
