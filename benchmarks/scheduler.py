@@ -163,6 +163,32 @@ def time_parts(engine, steps: int) -> dict[str, float]:
     return {part: timer.seconds[part] / steps * 1e6 for part in PARTS}
 
 
+def count_opcodes(engine, steps: int) -> float:
+    """Python bytecode instructions the host executes per step (``sys.settrace`` with opcode events, over ``steps``
+    steps): a count, not a time, so it does not move with a machine's speed. Two versions of the engine compare
+    exactly this way on a machine whose timing swings by tens of percent between runs (this one's does). Tracing
+    makes the steps ~50x slower; only the count is kept."""
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "opcode":
+            count += 1
+        return local
+
+    def on_call(frame, event, arg):
+        frame.f_trace_opcodes = True
+        return local
+
+    sys.settrace(on_call)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        sys.settrace(None)
+    return count / steps
+
+
 def plot(parts: dict[str, float], us_per_step: float, num_requests: int, path: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3))
@@ -200,6 +226,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-settle-heap", dest="settle_heap", action="store_false",
                         help="leave the garbage collector as it is (the engine's process freezes the heap built "
                              "before its loop and raises the young generation's threshold: engine_core.settle_heap)")
+    parser.add_argument("--opcodes", action="store_true",
+                        help="also count the Python opcodes the synchronous loop's host runs per step (a measure "
+                             "independent of the machine's speed, for comparing two versions of the engine)")
     parser.add_argument("--json", metavar="PATH", help='also write {"us_per_step": ..., ...} here')
     parser.add_argument("--plot", metavar="PATH.png", help="also draw the breakdown")
     args = parser.parse_args(argv)
@@ -275,6 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                        instrumented_us_per_step=instrumented)
         if args.plot:
             plot(parts, us_per_step, args.num_requests, args.plot)
+        if args.opcodes:
+            start_requests(sync["engine"], args, args.repeats + 1)
+            opcodes = count_opcodes(sync["engine"], min(args.steps, 10))
+            verdicts.append(f"{opcodes:,.0f} Python opcodes per step ({opcodes / args.num_requests:.0f} per request)")
+            payload.update(opcodes_per_step=opcodes)
     if "async" in loops:
         overhead = loops["async"]["overhead_us_per_step"]
         met = overhead <= TARGET_ASYNC_OVERHEAD_US

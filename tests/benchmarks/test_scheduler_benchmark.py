@@ -52,3 +52,17 @@ def test_a_small_run_reports_both_loops(tmp_path, capsys):
 def test_bad_block_size_is_named():
     with pytest.raises(SystemExit):
         scheduler.parse_args(["--block-size", "12"])
+
+
+def test_opcode_counts_repeat_exactly_and_grow_with_the_batch():
+    """The same engine state gives the same count (what makes it a noise-free comparison), and a step of more
+    requests runs more opcodes."""
+    counts = {}
+    for num_requests in (4, 4, 16):
+        args = scheduler.parse_args(["--num-requests", str(num_requests), "--steps", "5", "--decoded-tokens", "3",
+                                     "--prompt-len", "8"])
+        engine = scheduler.build_engine(args)
+        scheduler.start_requests(engine, args, 0)
+        counts.setdefault(num_requests, []).append(scheduler.count_opcodes(engine, 3))
+    assert counts[4][0] == counts[4][1] > 0
+    assert counts[16][0] > 2 * counts[4][0]
