@@ -143,10 +143,11 @@ class LLMEngine:
         scheduler = self.scheduler
         padding = sum(batch.padding)
         decode = batch.num_decode_rows - padding
+        num_spec_tokens = batch.num_spec_tokens
         self._kv_samples.append(StepSample(
-            seconds, batch.num_tokens - decode - padding - batch.num_spec_tokens, decode, padding, len(scheduler.running),
+            seconds, batch.num_tokens - decode - padding - num_spec_tokens, decode, padding, len(scheduler.running),
             len(scheduler.waiting), scheduler.kv.pool.num_used, scheduler.kv_stats().num_tokens_used,
-            batch.num_spec_tokens))
+            num_spec_tokens))
         if self.num_steps % DIAGNOSE_EVERY:
             return
         config = self.config

@@ -11,9 +11,9 @@ things decide it:
 
 A step without speculation makes ``rows / step_s`` tokens per second. One more proposed token adds
 ``alpha ** j`` expected tokens for ``per_token`` seconds, so it pays while ``alpha ** j >= rows * per_token /
-step_s`` (the threshold, ``theta``, never below ``MIN_THRESHOLD``). At low load theta is small and rows take every proposal they have; as rows
-grow it rises, and where it reaches 1 nothing is worth proposing: speculation switches off by itself, with no
-fixed batch-size limit (``disable_above_batch_size`` adds one if wanted). Every 16th step proposes nothing (so
+step_s`` (the threshold, ``theta``, never below ``MIN_THRESHOLD``). At low load theta is small and rows take
+every proposal they have; as rows grow it rises, and where it reaches 1 nothing is worth proposing: speculation
+switches off by itself, with no fixed batch-size limit (``disable_above_batch_size`` adds one if wanted). Every 16th step proposes nothing (so
 the model sees what a plain step costs), and a request whose rate fell below the threshold tries one token every
 16 steps (so its rate can recover when its output starts repeating)."""
 

@@ -136,4 +136,5 @@ def test_stats_endpoint_shape(client):
     assert 0 <= replica["kv_blocks_cached"] <= replica["kv_blocks_free"]  # cached blocks are reclaimable
     assert 0 <= replica["prefix_cache_hit_tokens"] <= replica["prefix_cache_query_tokens"]
     assert abs(replica["time"] - time.time()) < 5
-    assert replica["spec_method"] == "ngram" and replica["spec_num_accepted_tokens"] <= replica["spec_num_proposed_tokens"]
+    assert replica["spec_method"] == "ngram"
+    assert replica["spec_num_accepted_tokens"] <= replica["spec_num_proposed_tokens"]
