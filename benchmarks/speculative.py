@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.workloads import BenchRequest, drain, engine_args, sampling_params
+from benchmarks.workloads import BenchRequest, drain, make_engine, sampling_params
 
 METHODS = ("none", "ngram", "draft", "oracle")
 COPY_PREFIX = 120  # tokens of the model's own continuation appended to each copy-workload prompt
@@ -77,10 +77,7 @@ def build_draft_checkpoint(model_path: str, num_layers: int = DRAFT_LAYERS) -> P
 
 def greedy_outputs(model_path: str, requests: Sequence[BenchRequest], args) -> dict[tuple[int, ...], tuple[int, ...]]:
     """Each request's greedy output, by prompt, from a plain engine (what the oracle proposes)."""
-    from engine import LLMEngine
-
-    engine = LLMEngine(model_path, **engine_args("continuous", args.max_num_seqs, args.max_num_batched_tokens,
-                                                 args.threads, args.kv_budget_tokens // 16))
+    engine = make_engine(model_path, "continuous", args)
     for i, request in enumerate(requests):
         engine.add_request(str(i), request.prompt_token_ids, sampling_params(request.max_tokens))
     outputs = {int(o.request_id): o.outputs[0].token_ids for o in drain(engine)}
