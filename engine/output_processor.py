@@ -42,6 +42,8 @@ class OutputProcessor:
                 if self._several_tokens(request, decoder, count):
                     stopped.append(request)
                 continue
+            # One token, _several_tokens' loop unrolled: this runs for every row of every step, and a call per row
+            # would cost the plain path more than all of speculation's hooks (benchmarks.scheduler --opcodes).
             piece = decoder.step(request.output_token_ids[-1])
             if piece:
                 request.text += piece
