@@ -31,6 +31,7 @@ requests: synchronous host time at most 600 us per step; async overhead at most 
 from __future__ import annotations
 
 import argparse
+import pickle
 import statistics
 import sys
 import time
@@ -161,6 +162,23 @@ def time_parts(engine, steps: int) -> dict[str, float]:
                 delattr(owner, name)  # back to the class's method
         runner.execute = device
     return {part: timer.seconds[part] / steps * 1e6 for part in PARTS}
+
+
+def time_report(engine, repeats: int = 50) -> tuple[float, float]:
+    """(send, receive) microseconds of one step's report to the server's process, as the engine's own process
+    (``engine_process=True``, what servers run) pickles it after every step and the server unpickles it: the
+    outputs of a decode step of every request."""
+    from engine.engine_core import StepReport
+
+    report = StepReport(engine.step(), seconds=0.0, batch_size=engine.last_batch_size)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        data = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+    sent = time.perf_counter()
+    for _ in range(repeats):
+        pickle.loads(data)
+    received = time.perf_counter()
+    return (sent - start) / repeats * 1e6, (received - sent) / repeats * 1e6
 
 
 def count_opcodes(engine, steps: int) -> float:
@@ -302,6 +320,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                        us_per_step_blocks=sync["overhead_us_per_step_blocks"],
                        cpu_us_per_step=sync["cpu_us_per_step"], breakdown_us_per_step=parts,
                        instrumented_us_per_step=instrumented)
+        start_requests(sync["engine"], args, args.repeats + 2)
+        send_us, receive_us = time_report(sync["engine"])
+        print_table("the step's report to the server's process (engine_process=True), microseconds",
+                    ["side", "us per step"], [["pickled in the engine's process (after its step)", send_us],
+                                              ["unpickled in the server's process", receive_us]])
+        payload.update(report_send_us_per_step=send_us, report_receive_us_per_step=receive_us)
         if args.plot:
             plot(parts, us_per_step, args.num_requests, args.plot)
         if args.opcodes:

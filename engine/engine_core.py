@@ -31,7 +31,7 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable
 
-from engine.outputs import DeadlineUnmeetableError, RequestOutput
+from engine.outputs import DeadlineUnmeetableError, RequestOutput, pack_outputs, unpack_outputs
 from engine.ttft_predictor import QueueView
 
 IDLE_WAIT_S = 0.5  # how often an idle loop looks up (new work wakes it at once)
@@ -50,6 +50,14 @@ class StepReport:
     stats: dict[str, Any] | None = None
     view: QueueView | None = None
     applied_seq: int = 0  # every add command up to this one is in stats and view
+
+    def __reduce__(self):  # sent to the server's process after every step: the outputs as plain tuples
+        rest = tuple(getattr(self, field.name) for field in dataclasses.fields(self)[1:])
+        return _unpack_report, (pack_outputs(self.outputs), *rest)
+
+
+def _unpack_report(packed_outputs, *fields) -> StepReport:
+    return StepReport(unpack_outputs(packed_outputs), *fields)
 
 
 def parse_cpu_list(text: str) -> set[int]:

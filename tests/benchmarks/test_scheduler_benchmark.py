@@ -45,6 +45,7 @@ def test_a_small_run_reports_both_loops(tmp_path, capsys):
         assert len(blocks) == 2 and min(blocks) <= loop["overhead_us_per_step"] <= max(blocks)
     assert result["us_per_step"] == loops["sync"]["overhead_us_per_step"]
     assert result["async_overhead_us_per_step"] == loops["async"]["overhead_us_per_step"]
+    assert result["report_send_us_per_step"] > 0 and result["report_receive_us_per_step"] > 0
     printed = capsys.readouterr().out
     assert "sync us_per_step" in printed and "async overhead_us_per_step" in printed
 
