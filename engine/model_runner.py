@@ -366,9 +366,14 @@ class ModelRunner:
         # position of each token = its row's start + its offset inside the row
         positions = starts[row_of_token] + np.arange(token_ends[-1]) - (token_ends - query_lens)[row_of_token]
 
-        # Ragged block tables into one zero-padded array without a Python loop over rows.
-        lengths = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=batch.num_rows)
-        flat = np.fromiter(itertools.chain.from_iterable(batch.block_tables), dtype=np.int64, count=int(lengths.sum()))
+        # Ragged block tables into one zero-padded array without a Python loop over rows. The rows are the KV
+        # manager's own lists, which the host thread grows for the next step while this one is prepared on the
+        # device thread (async scheduling): they are copied in one call, which runs no bytecode and so cannot be
+        # interleaved, and both reads below see the same tables (else a row that grew between them would shift
+        # every later row's blocks).
+        block_tables = list(map(list.copy, batch.block_tables))
+        lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=batch.num_rows)
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum()))
         tables = np.zeros((batch.num_rows, int(lengths.max())), dtype=np.int64)
         tables[np.arange(tables.shape[1]) < lengths[:, None]] = flat
         slots = tables[row_of_token, positions // bs] * bs + positions % bs

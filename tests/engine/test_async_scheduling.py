@@ -170,3 +170,28 @@ def test_async_scheduling_gives_the_synchronous_results(stops, preemption_mode):
 def test_static_batching_refuses_async_scheduling():
     with pytest.raises(ValueError, match="async_scheduling"):
         make_engine(batching="static", async_scheduling=True)
+
+
+def test_a_table_that_grows_while_its_step_is_prepared_moves_no_other_row():
+    """With async scheduling the runner prepares step N+1 on the device thread while the host thread schedules
+    N+2, which grows the same block-table lists. The runner reads each table once: a row whose table grows
+    between its reads (simulated by a table that grows just after its length is read) must not shift the blocks of
+    the rows after it, which would send their KV writes and reads to other requests' blocks."""
+    from engine.scheduler_output import SchedulerOutput
+
+    class GrowsWhenMeasured(list):
+        def __len__(self):
+            n = super().__len__()
+            if n == 2:
+                self.append(9)  # the next step's allocation, landing just after the length was read
+            return n
+
+    engine = make_engine()
+    block_size = engine.runner.block_size
+    batch = SchedulerOutput(request_ids=["a", "b", "c"], input_token_ids=[5, 6, 7], query_lens=[1, 1, 1],
+                            start_positions=[block_size + 1, block_size, 0],
+                            block_tables=[GrowsWhenMeasured([3, 4]), [5, 6], [7]],
+                            sample=[True, True, True], padding=[False, False, False])
+    arrays = engine.runner._prepare(batch)
+    assert [row[:n].tolist() for row, n in zip(arrays.tables, (2, 2, 1))] == [[3, 4], [5, 6], [7]]
+    assert arrays.slots.tolist() == [4 * block_size + 1, 6 * block_size, 7 * block_size]
