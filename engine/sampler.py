@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engine.penalties import Penalties
@@ -142,30 +143,38 @@ class Sampler:
 
     def _pick(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
         params = batch.params
-        greedy = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
-            return greedy.tolist()
+            return logits.argmax(dim=-1).tolist()
+        every_row = len(random_rows) == len(params)  # the usual case when sampling: no copy of the rows' logits
         rows = torch.tensor(random_rows)
-        x = logits[rows] / torch.tensor([params[i].temperature for i in random_rows])[:, None]
+        x = (logits if every_row else logits[rows]) / torch.tensor([params[i].temperature for i in random_rows])[:, None]
         x = _apply_top_k(x, [params[i].top_k for i in random_rows])
         x = _apply_top_p(x, [params[i].top_p for i in random_rows])
         probs = torch.softmax(x, dim=-1)
         min_ps = torch.tensor([params[i].min_p for i in random_rows])
         if bool((min_ps > 0).any()):
             probs = probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Uniforms first, all rows' turned into Exp(1) noise at once below (-log U: the same distribution as
+        # torch's exponential_, which costs 4x more on a CPU: 5.6 against 1.3 ms for 64 rows of 4,096).
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(random_rows) if batch.generators[i] is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        if len(unseeded) == len(random_rows):
+            torch.rand(probs.shape, generator=self.generator, out=noise)
+        elif unseeded:
+            noise[unseeded] = torch.rand(len(unseeded), probs.shape[1], generator=self.generator)
         for j, i in enumerate(random_rows):
             generator = batch.generators[i]
             if generator is not None:  # the draw for this output position of this choice (sampling_seed)
                 request = batch.requests[i]
                 generator.manual_seed(sampling_seed(params[i].seed, request.index, batch.num_output_tokens[i]))
-                noise[j].exponential_(generator=generator)
+                torch.rand(probs.shape[1], generator=generator, out=noise[j])
+        # U in [0, 1): kept off 0, where -log U is infinite and that token could never win
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
         sampled = (probs / noise).argmax(dim=-1)
-        out = greedy.clone()
+        if every_row:
+            return sampled.tolist()
+        out = logits.argmax(dim=-1)
         out[rows] = sampled
         return out.tolist()
 
@@ -203,11 +212,20 @@ def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
 
 
 def _apply_top_p(x: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Keep each row's nucleus: its most likely tokens, down to the first whose cumulative probability (most likely
+    first) reaches the row's top_p, and every token as likely as that last one. Only the sorted probabilities are
+    needed, not the order of the tokens: on a CPU numpy sorts values ~10x faster than torch sorts values with
+    indices (1.8 against 17 ms for 64 rows of 4,096)."""
     if all(p >= 1.0 for p in top_ps):
         return x
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_x, dim=-1)
-    # Drop a token when the tokens before it already cover top_p; the first token always stays.
-    drop = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_ps)[:, None]
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, sorted_x)
+    probs = torch.softmax(x, dim=-1)
+    if probs.device.type == "cpu":
+        ascending = torch.from_numpy(np.sort(probs.numpy(), axis=-1))
+    else:
+        ascending = probs.sort(dim=-1).values
+    descending = ascending.flip(-1)
+    # the last kept token: the first whose cumulative probability reaches top_p (the count of those below it)
+    below = (descending.cumsum(dim=-1) < torch.tensor(top_ps)[:, None]).sum(dim=-1, keepdim=True)
+    threshold = descending.gather(1, below.clamp_max(x.shape[1] - 1))
+    threshold[torch.tensor(top_ps)[:, None] >= 1.0] = 0.0  # top_p 1: keep everything
+    return x.masked_fill(probs < threshold, float("-inf"))

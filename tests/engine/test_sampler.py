@@ -1,0 +1,88 @@
+"""The sampler against the definitions it implements: the nucleus top_p keeps, and draws distributed as the
+temperature-scaled, filtered softmax (unseeded rows share one noise draw for the batch; seeded rows draw
+their own). Direct calls on small logits, so each check takes milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplingBatch, _apply_top_k, _apply_top_p
+from engine.sampling_params import SamplingParams
+
+
+class _Request:  # what the sampler reads of a seeded row's request
+    index = 0
+    request_id = "r"
+
+
+def nucleus_by_definition(row: torch.Tensor, top_p: float) -> set[int]:
+    """The most likely tokens, most likely first, up to and including the first at which the cumulative
+    probability reaches top_p."""
+    probs = torch.softmax(row.double(), dim=-1)
+    kept, total = set(), 0.0
+    for token in probs.argsort(descending=True).tolist():
+        kept.add(token)
+        total += float(probs[token])
+        if total >= top_p:
+            break
+    return kept
+
+
+@pytest.mark.parametrize("vocab", [7, 300])
+def test_top_p_keeps_exactly_the_nucleus(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(40, vocab, generator=generator) * 3
+    top_ps = [0.0001, 0.3, 0.5, 0.75, 0.9, 0.99, 1.0, 0.6] * 5
+    masked = _apply_top_p(logits, top_ps)
+    for row, top_p in enumerate(top_ps):
+        kept = set(torch.nonzero(masked[row] > float("-inf")).flatten().tolist())
+        assert kept == (set(range(vocab)) if top_p >= 1.0 else nucleus_by_definition(logits[row], top_p)), top_p
+        assert torch.equal(masked[row][list(kept)], logits[row][list(kept)])  # kept logits are untouched
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one():
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+    kept = (_apply_top_p(logits, [0.5]) > float("-inf")).tolist()[0]
+    assert kept == [True, True, True, True]  # 0.4 + 0.2 reaches 0.5; the other 0.2s are as likely
+
+
+def expected_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    x = logits[None].double() / params.temperature
+    x = _apply_top_k(x, [params.top_k])
+    x = _apply_top_p(x.float(), [params.top_p]).double()
+    probs = torch.softmax(x, dim=-1)[0]
+    if params.min_p > 0:
+        probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
+    return probs / probs.sum()
+
+
+CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
+         SamplingParams(temperature=1.3, top_k=3), SamplingParams(temperature=1.0, min_p=0.2)]
+
+
+@pytest.mark.parametrize("params", CASES, ids=["t1", "top_p", "top_k", "min_p"])
+def test_unseeded_draws_follow_the_filtered_softmax(params):
+    logits = torch.tensor([1.5, 0.2, -0.4, 0.9, 0.0, -1.2])
+    rows = 20_000
+    batch = SamplingBatch([params] * rows, [None] * rows, [0] * rows, frozenset())
+    token_ids, _ = Sampler(seed=1)(logits.expand(rows, -1).contiguous(), batch)
+    frequencies = torch.bincount(torch.tensor(token_ids), minlength=len(logits)).double() / rows
+    expected = expected_distribution(logits, params)
+    assert (frequencies[expected == 0] == 0).all(), "a filtered-out token was drawn"
+    assert (frequencies - expected).abs().max() < 0.015  # ~4.5 standard deviations at 20,000 draws
+
+
+def test_seeded_draws_follow_the_softmax_and_repeat_exactly():
+    logits = torch.tensor([[1.5, 0.2, -0.4, 0.9, 0.0, -1.2]])
+    params = SamplingParams(temperature=1.0, seed=42)
+    sampler = Sampler(seed=1)
+    draws = []
+    for position in range(4_000):  # one seeded row, the draws of its successive output positions
+        batch = SamplingBatch([params], [torch.Generator()], [position], frozenset(), [_Request()])
+        draws.append(sampler(logits, batch)[0][0])
+    frequencies = torch.bincount(torch.tensor(draws), minlength=6).double() / len(draws)
+    assert (frequencies - expected_distribution(logits[0], params)).abs().max() < 0.035
+    again = [Sampler(seed=2)(logits, SamplingBatch([params], [torch.Generator()], [p], frozenset(), [_Request()]))[0][0]
+             for p in range(50)]
+    assert again == draws[:50], "a seeded draw depends on (seed, choice, position) alone"
