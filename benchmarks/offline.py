@@ -293,6 +293,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
             parser.error("--structured-fraction compares our engine with itself; no baseline runs it")
         args.systems = [structured.system_name(f) for f in fractions]
     requests, arrivals, name = workload_from_args(parser, args)
+    sampled = args.temperature > 0 or args.top_p < 1
+    if sampled and ({"hf-static", "hf-cb"} & set(args.systems) or args.speculative):
+        parser.error("--temperature/--top-p: transformers' baselines and --speculative run greedy only")
     if args.rate is not None:
         if args.trace:
             parser.error("--rate: a --trace brings its own arrival times")

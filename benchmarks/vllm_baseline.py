@@ -105,6 +105,7 @@ def build_job(model_path: str | Path, requests: Sequence[BenchRequest], settings
         "max_num_batched_tokens": max(max_num_batched_tokens, max_num_seqs),
         "max_model_len": MAX_MODEL_LEN, "enforce_eager": settings.enforce_eager,
         "prompts": [r.prompt_token_ids for r in requests], "output_lens": [r.max_tokens for r in requests],
+        "sampling": [(r.temperature, r.top_p) for r in requests],
         "warmup": {"prompts": [r.prompt_token_ids for r in warmup], "output_lens": [r.max_tokens for r in warmup]},
     }
 

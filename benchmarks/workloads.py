@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -112,6 +113,8 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     kind: RequestKind = "generate"
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
 
     @property
     def prompt_len(self) -> int:
@@ -236,10 +239,10 @@ def kv_blocks(args) -> int:
     return args.kv_budget_tokens // BLOCK_SIZE
 
 
-def sampling_params(max_tokens: int):
+def sampling_params(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0):
     from engine import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=True)
 
 
 def request_params(request: BenchRequest):
@@ -254,8 +257,9 @@ def request_params(request: BenchRequest):
         from benchmarks.structured import SCHEMA
         from engine import StructuredOutput
 
-        return sampling_params(request.max_tokens).replace(structured_output=StructuredOutput("json", SCHEMA))
-    return sampling_params(request.max_tokens)
+        return sampling_params(request.max_tokens, request.temperature, request.top_p).replace(
+            structured_output=StructuredOutput("json", SCHEMA))
+    return sampling_params(request.max_tokens, request.temperature, request.top_p)
 
 
 def drain(engine) -> list:
@@ -296,6 +300,9 @@ def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 64, d
                         help="output length range in tokens, inclusive (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the workload and arrival times (the model weights always use seed 0)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request samples at this temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="and keeps this nucleus (default 1: all tokens)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -328,6 +335,12 @@ def workload_from_args(parser: argparse.ArgumentParser, args) -> tuple[list[Benc
             arrivals, name = None, args.workload
     except ValueError as e:
         parser.error(str(e))
+    if not args.temperature >= 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.temperature or args.top_p < 1:
+        requests = [dataclasses.replace(r, temperature=args.temperature, top_p=args.top_p) for r in requests]
     longest = max(r.prompt_len + r.max_tokens for r in requests)
     if longest > MODEL_SHAPE["max_position_embeddings"]:
         parser.error(f"--prompt-lens/--output-lens: a request of {longest} tokens (prompt + output) does not fit the "

@@ -80,6 +80,18 @@ def test_job_carries_the_workload_and_the_same_budget_as_ours(tmp_path):
     assert build_job(model, REQUESTS, SETTINGS, 8000, 64, 16)["max_num_batched_tokens"] == 64
 
 
+def test_sampling_flags_reach_our_requests_and_the_vllm_job(tmp_path):
+    from benchmarks.workloads import request_params
+
+    args, requests, _, _ = offline.parse_args(["--baselines", "vllm", "--vllm-python", sys.executable,
+                                               "--num-requests", "3", "--temperature", "0.8", "--top-p", "0.9"])
+    assert [(request_params(r).temperature, request_params(r).top_p) for r in requests] == [(0.8, 0.9)] * 3
+    job = build_job(write_checkpoint_config(tmp_path / "model"), requests, SETTINGS, 8000, 64, 2048)
+    assert json.loads(json.dumps(job))["sampling"] == [[0.8, 0.9]] * 3  # as the worker reads it
+    _, greedy_requests, _, _ = offline.parse_args(["--num-requests", "2"])
+    assert all(request_params(r).temperature == 0.0 and request_params(r).top_p == 1.0 for r in greedy_requests)
+
+
 # -- the peer's Python ---------------------------------------------------------------------------------------
 def test_peer_python_is_the_flag_then_the_environment_then_the_repo_venv(tmp_path, monkeypatch):
     default = tmp_path / ".venv-vllm" / "bin" / "python"
@@ -130,6 +142,11 @@ def test_baselines_vllm_adds_the_vllm_system_with_its_settings():
     ["--baselines", "vllm", "--rate", "2"],  # vLLM takes every request at t=0
     ["--workload", "prefill-only", "--baselines", "vllm"],
     ["--batching", "none"],
+    ["--temperature", "-0.5"],
+    ["--top-p", "0"],
+    ["--top-p", "1.5"],
+    ["--temperature", "1", "--baselines", "hf"],  # transformers' baselines decode greedily
+    ["--top-p", "0.9", "--speculative", "ngram"],
 ])
 def test_bad_flag_combinations_are_errors(flags):
     with pytest.raises(SystemExit):
