@@ -129,7 +129,7 @@ class ModelRunner:
                             for _ in range(source.config.num_layers)] if self.num_swap_blocks else []
         self.swap_bytes_per_s = self._measure_swap_rate() if self.num_swap_blocks else 0.0
         self.graphs: DecodeGraphs | None = None
-        self._last_sampled: tuple[list[str], list[int | None]] = ([], [])  # the latest step's rows and samples
+        self._last_sampled: tuple[tuple[str, ...], tuple[int | None, ...]] = ((), ())  # the latest step's rows and samples
         if self.device.type == "cuda":
             cfg = source.config
             tune = getattr(self.backend, "tune_decode", None)
@@ -260,7 +260,7 @@ class ModelRunner:
         if batch.prompt_rows:
             output.prompt_outputs = self._prompt_outputs(hidden, batch.input_token_ids, batch.query_lens,
                                                          batch.prompt_rows)
-        self._last_sampled = (batch.request_ids, sampled)
+        self._last_sampled = (tuple(batch.request_ids), tuple(sampled))  # its own copy: the host gets `sampled`
         return output
 
     def _verify(self, hidden: torch.Tensor, batch: SchedulerOutput, sample_rows: list[int], sampling: SamplingBatch,
@@ -368,9 +368,10 @@ class ModelRunner:
 
         # Ragged block tables into one zero-padded array without a Python loop over rows. The rows are the KV
         # manager's own lists, which the host thread grows for the next step while this one is prepared on the
-        # device thread (async scheduling): they are copied in one call, which runs no bytecode and so cannot be
-        # interleaved, and both reads below see the same tables (else a row that grew between them would shift
-        # every later row's blocks).
+        # device thread (async scheduling). They are copied once, so both reads below see the same tables (a row
+        # that grew between two reads of the live lists would shift every later row's blocks). A row may still
+        # grow during the copy (a garbage collection inside it can let the host thread run), but tables only ever
+        # grow: each copy is a prefix of its table that holds every block this step's positions need.
         block_tables = list(map(list.copy, batch.block_tables))
         lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=batch.num_rows)
         flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum()))

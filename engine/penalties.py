@@ -75,7 +75,11 @@ class Penalties(PerRequestState[PenaltyState]):
                 bias = torch.zeros(vocab, device=device)
                 ids, values = zip(*params.logit_bias)
                 bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=bias.dtype, device=device)
-            # A continued sequence (engine.request.Continuation) arrives with output: counted from the start.
+            # A continued sequence (engine.request.Continuation) arrives with output: counted from the start. Read
+            # on the device thread while the host may append to that list (async scheduling): safe only because
+            # state is built at a request's first sampled row, when no token of it is in flight, and dropped only
+            # once it has ended. Dropping it for a live request (on preemption, say) would rebuild it here while
+            # the previous step's token is still being appended, and miss that token.
             counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.long),
                                     minlength=vocab).to(device=device, dtype=torch.float32)
             state = self._states[request_id] = PenaltyState(counts, mask, bias)
