@@ -367,7 +367,6 @@ class LLMEngine:
         sampled_rows = [r for r, s in zip(rows, batch.sample) if s]
         sampling = SamplingBatch(
             params=[r.params for r in sampled_rows],
-            generators=[r.generator for r in sampled_rows],
             # tokens before this one, the ones still in flight included
             num_output_tokens=[len(r.output_token_ids) + r.num_pending_tokens - 1 for r in sampled_rows],
             eos_token_ids=self.eos_token_ids,

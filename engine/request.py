@@ -6,19 +6,16 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.block_hash import request_salt, salted_root
 from engine.outputs import FinishReason, Logprob, RequestMetrics
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    import torch
+
 _arrival_counter = itertools.count()
-
-
-def _generator(params: SamplingParams) -> torch.Generator | None:
-    """A generator per seeded sequence, re-seeded for each token it samples (``sampling_seed``)."""
-    return None if params.seed is None else torch.Generator()
 
 
 _MASK64 = (1 << 64) - 1
@@ -34,6 +31,11 @@ def sampling_seed(seed: int, index: int, position: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, index: int, position: int) -> float:
+    """The uniform in [0, 1) of that draw (``sampling_seed``'s top 24 bits: exact in float32)."""
+    return (sampling_seed(seed, index, position) >> 40) * 2.0 ** -24
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class Request:
     __slots__ = (
         "request_id", "parent_id", "index", "prompt", "prompt_token_ids", "output_token_ids",
         "all_token_ids", "params", "priority", "arrival_order", "num_computed_tokens", "status",
-        "finish_reason", "stop_reason", "metrics", "deadline", "generator", "max_total_tokens",
+        "finish_reason", "stop_reason", "metrics", "deadline", "max_total_tokens",
         "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
         "cumulative_logprob", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
         "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root",
@@ -107,7 +109,6 @@ class Request:
         now = time.time() if arrival_time is None else arrival_time
         self.metrics = RequestMetrics(arrival_time=now)
         self.deadline = now + params.timeout_s if params.timeout_s is not None else None
-        self.generator = _generator(params)
         max_new = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_total_tokens = min(len(prompt_token_ids) + max_new, max_model_len)
         self.eos_token_ids = eos_token_ids
@@ -145,18 +146,15 @@ class Request:
                 self.logprobs = [None] * len(continuation.token_ids)  # theirs were sent from the first engine
 
     def __getstate__(self) -> dict:
-        """A request crosses to the engine's process before it runs (engine_core): without its generator (torch
-        cannot pickle one; it holds no state between draws) and detokenizer (built at its first token)."""
+        """A request crosses to the engine's process before it runs (engine_core): without a detokenizer (built at
+        its first token)."""
         if self.decoder is not None:
             raise ValueError("only a request that has not run yet can cross to another process")
-        state = {name: getattr(self, name) for name in self.__slots__ if hasattr(self, name)}
-        state["generator"] = None
-        return state
+        return {name: getattr(self, name) for name in self.__slots__ if hasattr(self, name)}
 
     def __setstate__(self, state: dict) -> None:
         for name, value in state.items():
             setattr(self, name, value)
-        self.generator = _generator(self.params)
 
     @property
     def num_tokens(self) -> int:

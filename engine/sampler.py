@@ -2,8 +2,8 @@
 
 Rows are processed together; only the random draw is per request when it has its own seed, so a
 seeded request gets the same tokens whatever else shares the batch, and each of its draws is seeded by
-(seed, choice, output position) alone, so a sequence continued elsewhere draws the same. Sampling uses the
-exponential race (argmax of p / Exp(1) noise), which is a draw from p with one noise vector per row.
+(seed, choice, output position) alone, so a sequence continued elsewhere draws the same. A draw takes one
+uniform per row (inverse CDF: the first token whose cumulative probability passes it).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine.penalties import Penalties
-from engine.request import sampling_seed
+from engine.request import seeded_uniform
 from engine.sampling_params import SamplingParams
 from engine.structured_output import Constraints, GrammarCompiler
 
@@ -28,7 +28,6 @@ class SamplingBatch:
     """Per-row sampling inputs, in the order of the runner's sampled rows."""
 
     params: list[SamplingParams]
-    generators: list[torch.Generator | None]
     num_output_tokens: list[int]
     eos_token_ids: frozenset[int]
     # the rows' requests (engine ``Request``s): penalties and grammar matchers key their state by request id and
@@ -38,8 +37,7 @@ class SamplingBatch:
     def select(self, rows: list[int], ahead: int) -> "SamplingBatch":
         """The batch of ``rows`` only, each sampling the token ``ahead`` positions after its usual one."""
         counts = self.num_output_tokens
-        return SamplingBatch([self.params[i] for i in rows], [self.generators[i] for i in rows],
-                             [counts[i] + ahead for i in rows], self.eos_token_ids,
+        return SamplingBatch([self.params[i] for i in rows], [counts[i] + ahead for i in rows], self.eos_token_ids,
                              [self.requests[i] for i in rows] if self.requests else [])
 
     @property
@@ -150,33 +148,34 @@ class Sampler:
         rows = torch.tensor(random_rows)
         x = (logits if every_row else logits[rows]) / torch.tensor([params[i].temperature for i in random_rows])[:, None]
         x = _apply_top_k(x, [params[i].top_k for i in random_rows])
-        x = _apply_top_p(x, [params[i].top_p for i in random_rows])
         probs = torch.softmax(x, dim=-1)
-        min_ps = torch.tensor([params[i].min_p for i in random_rows])
-        if bool((min_ps > 0).any()):
-            probs = probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        # Uniforms first, all rows' turned into Exp(1) noise at once below (-log U: the same distribution as
-        # torch's exponential_, which costs 4x more on a CPU: 5.6 against 1.3 ms for 64 rows of 4,096).
-        noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(random_rows) if batch.generators[i] is None]
-        if len(unseeded) == len(random_rows):
-            torch.rand(probs.shape, generator=self.generator, out=noise)
-        elif unseeded:
-            noise[unseeded] = torch.rand(len(unseeded), probs.shape[1], generator=self.generator)
-        for j, i in enumerate(random_rows):
-            generator = batch.generators[i]
-            if generator is not None:  # the draw for this output position of this choice (sampling_seed)
-                request = batch.requests[i]
-                generator.manual_seed(sampling_seed(params[i].seed, request.index, batch.num_output_tokens[i]))
-                torch.rand(probs.shape[1], generator=generator, out=noise[j])
-        # U in [0, 1): kept off 0, where -log U is infinite and that token could never win
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
-        sampled = (probs / noise).argmax(dim=-1)
+        # top_p and min_p keep the tokens at least as likely as a threshold per row: one pass zeroes the others,
+        # in place, and leaves the rest as they are (the draw below needs no normalised distribution).
+        top_ps = [params[i].top_p for i in random_rows]
+        min_ps = [params[i].min_p for i in random_rows]
+        threshold = _nucleus_threshold(probs, top_ps) if any(p < 1.0 for p in top_ps) else None
+        if any(min_ps):  # relative to the most likely token, which every filter keeps
+            floor = torch.tensor(min_ps)[:, None] * probs.max(dim=-1, keepdim=True).values
+            threshold = floor if threshold is None else torch.maximum(threshold, floor)
+        if threshold is not None:  # a float mask: multiplying by a bool one costs ~4x more on a CPU
+            probs.mul_(torch.ge(probs, threshold, out=torch.empty_like(probs)))
+        sampled = _inverse_cdf(probs, self._uniforms(batch, random_rows))
         if every_row:
             return sampled.tolist()
         out = logits.argmax(dim=-1)
         out[rows] = sampled
         return out.tolist()
+
+    def _uniforms(self, batch: SamplingBatch, random_rows: list[int]) -> torch.Tensor:
+        """One uniform in [0, 1) per sampled row: from the sampler's generator, or for a seeded row a function of its
+        seed, choice and output position alone (``seeded_uniform``)."""
+        uniforms = torch.rand(len(random_rows), generator=self.generator)
+        params = batch.params
+        for j, i in enumerate(random_rows):
+            seed = params[i].seed
+            if seed is not None:
+                uniforms[j] = seeded_uniform(seed, batch.requests[i].index, batch.num_output_tokens[i])
+        return uniforms
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, token_ids: list[int], batch: SamplingBatch) -> list[TokenLogprobs | None]:
@@ -201,6 +200,18 @@ def _no_grammar_compiler() -> GrammarCompiler:
     raise ValueError("structured_outputs: this engine has no tokenizer to compile grammars for")
 
 
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's draw from its (unnormalised) ``probs``: the first token whose cumulative probability exceeds
+    the row's uniform scaled to the row's total. One uniform per row instead of a noise value per token (what the
+    exponential race needs): 64 rows of 4,096 sample in ~1 ms instead of ~2.5 on a CPU, and the cost does not
+    grow with the vocabulary's random draws. The scaled uniform stays below the total, so a token of probability
+    0 can never be drawn, rounding included."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
 def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     vocab = x.shape[1]
     ks = [k if 0 < k < vocab else vocab for k in top_ks]
@@ -211,21 +222,19 @@ def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     return x.masked_fill(x < kth, float("-inf"))
 
 
-def _apply_top_p(x: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    """Keep each row's nucleus: its most likely tokens, down to the first whose cumulative probability (most likely
-    first) reaches the row's top_p, and every token as likely as that last one. Only the sorted probabilities are
-    needed, not the order of the tokens: on a CPU numpy sorts values ~10x faster than torch sorts values with
-    indices (1.8 against 17 ms for 64 rows of 4,096)."""
-    if all(p >= 1.0 for p in top_ps):
-        return x
-    probs = torch.softmax(x, dim=-1)
+def _nucleus_threshold(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """[rows, 1]: each row's nucleus is its tokens at least this likely. The nucleus is the most likely tokens, down
+    to the first whose cumulative probability (most likely first) reaches the row's top_p, and every token as
+    likely as that last one (0 for top_p 1: every token). Only the sorted probabilities are needed, not the
+    tokens' order: on a CPU numpy sorts values ~14x faster than torch sorts values with indices (1.2 against
+    17 ms for 64 rows of 4,096)."""
     if probs.device.type == "cpu":
-        ascending = torch.from_numpy(np.sort(probs.numpy(), axis=-1))
+        descending = torch.from_numpy(np.sort(probs.numpy(), axis=-1)).flip(-1)
     else:
-        ascending = probs.sort(dim=-1).values
-    descending = ascending.flip(-1)
-    # the last kept token: the first whose cumulative probability reaches top_p (the count of those below it)
-    below = (descending.cumsum(dim=-1) < torch.tensor(top_ps)[:, None]).sum(dim=-1, keepdim=True)
-    threshold = descending.gather(1, below.clamp_max(x.shape[1] - 1))
-    threshold[torch.tensor(top_ps)[:, None] >= 1.0] = 0.0  # top_p 1: keep everything
-    return x.masked_fill(probs < threshold, float("-inf"))
+        descending = probs.sort(dim=-1, descending=True).values
+    cumulative = descending.cumsum(dim=-1)
+    limits = torch.tensor(top_ps, dtype=cumulative.dtype)[:, None]
+    last = torch.searchsorted(cumulative, limits).clamp_max_(probs.shape[1] - 1)  # the first reaching top_p
+    threshold = descending.gather(1, last)
+    threshold[limits >= 1.0] = 0.0
+    return threshold

@@ -98,5 +98,5 @@ class DraftProposer(Proposer):
         batch.block_tables = [tables[requests[i].request_id] for i in rows]
         batch.sample = [True] * len(rows)
         batch.padding = [False] * len(rows)
-        sampling = SamplingBatch([_GREEDY] * len(rows), [None] * len(rows), [0] * len(rows), frozenset())
+        sampling = SamplingBatch([_GREEDY] * len(rows), [0] * len(rows), frozenset())
         return self.runner.execute(batch, sampling).sampled_token_ids

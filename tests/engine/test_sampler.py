@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingBatch, _apply_top_k, _apply_top_p
+from engine.sampler import Sampler, SamplingBatch, _apply_top_k, _nucleus_threshold
 from engine.sampling_params import SamplingParams
 
 
@@ -34,24 +34,26 @@ def test_top_p_keeps_exactly_the_nucleus(vocab):
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(40, vocab, generator=generator) * 3
     top_ps = [0.0001, 0.3, 0.5, 0.75, 0.9, 0.99, 1.0, 0.6] * 5
-    masked = _apply_top_p(logits, top_ps)
+    probs = torch.softmax(logits, dim=-1)
+    outside = probs < _nucleus_threshold(probs, top_ps)
     for row, top_p in enumerate(top_ps):
-        kept = set(torch.nonzero(masked[row] > float("-inf")).flatten().tolist())
+        kept = set(torch.nonzero(~outside[row]).flatten().tolist())
         assert kept == (set(range(vocab)) if top_p >= 1.0 else nucleus_by_definition(logits[row], top_p)), top_p
-        assert torch.equal(masked[row][list(kept)], logits[row][list(kept)])  # kept logits are untouched
 
 
 def test_top_p_keeps_every_token_tied_with_the_last_one():
-    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
-    kept = (_apply_top_p(logits, [0.5]) > float("-inf")).tolist()[0]
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2]])
+    kept = (probs >= _nucleus_threshold(probs, [0.5])).tolist()[0]
     assert kept == [True, True, True, True]  # 0.4 + 0.2 reaches 0.5; the other 0.2s are as likely
 
 
 def expected_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = logits[None].double() / params.temperature
     x = _apply_top_k(x, [params.top_k])
-    x = _apply_top_p(x.float(), [params.top_p]).double()
     probs = torch.softmax(x, dim=-1)[0]
+    if params.top_p < 1.0:
+        nucleus = nucleus_by_definition(x[0], params.top_p)
+        probs = torch.tensor([p if token in nucleus else 0.0 for token, p in enumerate(probs.tolist())])
     if params.min_p > 0:
         probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
     return probs / probs.sum()
@@ -65,7 +67,7 @@ CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=
 def test_unseeded_draws_follow_the_filtered_softmax(params):
     logits = torch.tensor([1.5, 0.2, -0.4, 0.9, 0.0, -1.2])
     rows = 20_000
-    batch = SamplingBatch([params] * rows, [None] * rows, [0] * rows, frozenset())
+    batch = SamplingBatch([params] * rows, [0] * rows, frozenset())
     token_ids, _ = Sampler(seed=1)(logits.expand(rows, -1).contiguous(), batch)
     frequencies = torch.bincount(torch.tensor(token_ids), minlength=len(logits)).double() / rows
     expected = expected_distribution(logits, params)
@@ -79,10 +81,19 @@ def test_seeded_draws_follow_the_softmax_and_repeat_exactly():
     sampler = Sampler(seed=1)
     draws = []
     for position in range(4_000):  # one seeded row, the draws of its successive output positions
-        batch = SamplingBatch([params], [torch.Generator()], [position], frozenset(), [_Request()])
+        batch = SamplingBatch([params], [position], frozenset(), [_Request()])
         draws.append(sampler(logits, batch)[0][0])
     frequencies = torch.bincount(torch.tensor(draws), minlength=6).double() / len(draws)
     assert (frequencies - expected_distribution(logits[0], params)).abs().max() < 0.035
-    again = [Sampler(seed=2)(logits, SamplingBatch([params], [torch.Generator()], [p], frozenset(), [_Request()]))[0][0]
+    again = [Sampler(seed=2)(logits, SamplingBatch([params], [p], frozenset(), [_Request()]))[0][0]
              for p in range(50)]
     assert again == draws[:50], "a seeded draw depends on (seed, choice, position) alone"
+
+
+def test_a_token_of_probability_zero_is_never_drawn_at_the_ends_of_the_uniform():
+    from engine.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0], [0.0, 0.0, 1e-30, 0.0, 0.5, 0.0]])
+    largest_below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    for u, expected in ((0.0, [1, 2]), (float(largest_below_one), [3, 4]), (0.5, [3, 4])):
+        assert _inverse_cdf(probs, torch.full((2,), u)).tolist() == expected, u

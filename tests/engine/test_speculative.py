@@ -231,7 +231,7 @@ def test_rejection_keeps_the_target_distribution():
     logits = target.repeat(rows * (len(proposed) + 1), 1)
     params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=100)
     requests = [Request(f"q{i}", [1], params, max_model_len=200, eos_token_ids=frozenset()) for i in range(rows)]
-    batch = SamplingBatch([params] * rows, [None] * rows, [0] * rows, frozenset(), requests)
+    batch = SamplingBatch([params] * rows, [0] * rows, frozenset(), requests)
     emitted, _ = Sampler(seed=1).verify(logits, batch, [proposed] * rows)
 
     def chi_square(tokens: list[int]) -> float:
