@@ -112,14 +112,14 @@ def stop(server: subprocess.Popen) -> None:
 
 
 def bench(peer_python: str, port: int, checkpoint: Path, num_prompts: int, concurrency: int, seed: int,
-          out: Path) -> dict[str, Any]:
+          out: Path, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
     # The client never runs on the engines' CPU, whichever server it loads.
     argv = ["taskset", "-c", other_cpus(), peer_python, str(PEERS / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
             "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
             "--model", str(checkpoint), "--served-model-name", MODEL_NAME,
             "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
             "--random-range-ratio", RANGE_RATIO, "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos", "--temperature", str(temperature), "--top-p", str(top_p),
             "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
             "--result-filename", out.name]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
@@ -141,12 +141,14 @@ def one_turn(system: str, args, peer_python: str, checkpoint: Path, workdir: Pat
     port = PORTS[system]
     try:
         wait_ready(port, server)
-        bench(peer_python, port, checkpoint, 8, 8, seed=1000 + round_index, out=workdir / f"{system}-{round_index}-warm.json")
+        sampling = {"temperature": args.temperature, "top_p": args.top_p}
+        bench(peer_python, port, checkpoint, 8, 8, seed=1000 + round_index, out=workdir / f"{system}-{round_index}-warm.json",
+              **sampling)
         turn: dict[str, Any] = {"system": system, "round": round_index, "load_start": load_average()}
         turn["concurrent"] = bench(peer_python, port, checkpoint, args.num_prompts, args.concurrency, seed=0,
-                                   out=workdir / f"{system}-{round_index}-concurrent.json")
+                                   out=workdir / f"{system}-{round_index}-concurrent.json", **sampling)
         turn["one_stream"] = bench(peer_python, port, checkpoint, args.one_stream_prompts, 1, seed=2,
-                                   out=workdir / f"{system}-{round_index}-one.json")
+                                   out=workdir / f"{system}-{round_index}-one.json", **sampling)
         turn["load_end"] = load_average()
         return turn
     finally:
@@ -191,8 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python")
     parser.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core)")
     parser.add_argument("--cache-dir", default=None, help="where the benchmark checkpoint is built")
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request samples at this temperature "
+                                                                       "(default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="and keeps this nucleus (default 1)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if not args.temperature >= 0 or not 0 < args.top_p <= 1:
+        parser.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
     systems = args.systems.split(",")
     if not set(systems) <= set(PORTS):
         parser.error(f"--systems: choose from {sorted(PORTS)}")
