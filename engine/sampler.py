@@ -182,17 +182,23 @@ class Sampler:
         result: list[TokenLogprobs | None] = [None] * len(token_ids)
         if raw is None:
             return result
-        for i, p in enumerate(batch.params):
-            if p.logprobs is None:
-                continue
-            row = raw[i]
-            chosen = float(row[token_ids[i]])
-            rank = int((row > chosen).sum()) + 1
-            top: list[tuple[int, float]] = []
-            if p.logprobs > 0:
-                values, ids = row.topk(p.logprobs)
-                top = list(zip(ids.tolist(), values.tolist()))
-            result[i] = ((token_ids[i], chosen, rank), top)
+        rows = [i for i, p in enumerate(batch.params) if p.logprobs is not None]
+        if not rows:
+            return result
+        # All rows that ask at once: one gather, one comparison, one top-k for the largest k asked.
+        index = torch.tensor(rows, device=raw.device)
+        sub = raw.index_select(0, index)
+        chosen = sub.gather(1, torch.tensor([token_ids[i] for i in rows], device=raw.device)[:, None])
+        ranks = ((sub > chosen).sum(dim=-1) + 1).tolist()
+        num_top = max(batch.params[i].logprobs for i in rows)
+        top_ids = top_values = None
+        if num_top > 0:
+            values, ids = sub.topk(num_top, dim=-1)
+            top_ids, top_values = ids.tolist(), values.tolist()
+        for j, (i, value, rank) in enumerate(zip(rows, chosen[:, 0].tolist(), ranks)):
+            k = batch.params[i].logprobs
+            top = list(zip(top_ids[j][:k], top_values[j][:k])) if k else []
+            result[i] = ((token_ids[i], value, rank), top)
         return result
 
 

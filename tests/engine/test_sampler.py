@@ -97,3 +97,24 @@ def test_a_token_of_probability_zero_is_never_drawn_at_the_ends_of_the_uniform()
     largest_below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
     for u, expected in ((0.0, [1, 2]), (float(largest_below_one), [3, 4]), (0.5, [3, 4])):
         assert _inverse_cdf(probs, torch.full((2,), u)).tolist() == expected, u
+
+
+def test_logprobs_of_every_row_that_asks_match_their_definition():
+    """The sampled token's logprob and rank (1 + the tokens strictly more likely), then the top k, for rows asking
+    for different k (None: not asked, 0: the sampled token alone)."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 50, generator=generator)
+    asks = [None, 0, 1, 5, None, 3]
+    params = [SamplingParams(temperature=0.0, logprobs=k) for k in asks]
+    token_ids, logprobs = Sampler(seed=0)(logits, SamplingBatch(params, [0] * 6, frozenset()))
+    raw = torch.log_softmax(logits, dim=-1)
+    for row, k in enumerate(asks):
+        if k is None:
+            assert logprobs[row] is None
+            continue
+        (token, value, rank), top = logprobs[row]
+        assert token == token_ids[row] == int(logits[row].argmax())
+        assert value == pytest.approx(float(raw[row, token])) and rank == int((raw[row] > raw[row, token]).sum()) + 1
+        order = raw[row].argsort(descending=True)[:k].tolist()
+        assert [t for t, _ in top] == order
+        assert [v for _, v in top] == pytest.approx(raw[row, order].tolist())
