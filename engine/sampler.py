@@ -215,7 +215,8 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # (clamped: a row of NaNs, which no filter makes, must still not yield a token id past the vocabulary)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)
 
 
 def _apply_top_k(x: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
