@@ -32,6 +32,7 @@ CASES = {
     "greedy": SamplingParams(temperature=0.0),
     "temperature 1": SamplingParams(temperature=1.0),
     "temperature 1, top_p 0.9": SamplingParams(temperature=1.0, top_p=0.9),
+    "temperature 1, top_k 50": SamplingParams(temperature=1.0, top_k=50),
     "temperature 1, seeded": SamplingParams(temperature=1.0, seed=3),
     "temperature 1, logprobs 5": SamplingParams(temperature=1.0, logprobs=5),
 }

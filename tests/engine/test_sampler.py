@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingBatch, _apply_top_k, _nucleus_threshold
+from engine.sampler import Sampler, SamplingBatch, _nucleus_threshold, _top_k_threshold
 from engine.sampling_params import SamplingParams
 
 
@@ -41,18 +41,38 @@ def test_top_p_keeps_exactly_the_nucleus(vocab):
         assert kept == (set(range(vocab)) if top_p >= 1.0 else nucleus_by_definition(logits[row], top_p)), top_p
 
 
+def test_top_k_keeps_the_k_most_likely_and_their_ties():
+    generator = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(7, 40, generator=generator), dim=-1)
+    probs[6, :5] = probs[6].max()  # at least five tokens tied for the most likely: k = 3 keeps them all
+    top_ks = [1, 5, 39, 40, 0, -1, 3]
+    kept = probs >= _top_k_threshold(probs, top_ks)
+    for row, k in enumerate(top_ks):
+        assert set(torch.nonzero(kept[row]).flatten().tolist()) == top_k_by_definition(probs[row], k), k
+
+
 def test_top_p_keeps_every_token_tied_with_the_last_one():
     probs = torch.tensor([[0.4, 0.2, 0.2, 0.2]])
     kept = (probs >= _nucleus_threshold(probs, [0.5])).tolist()[0]
     assert kept == [True, True, True, True]  # 0.4 + 0.2 reaches 0.5; the other 0.2s are as likely
 
 
+def top_k_by_definition(row: torch.Tensor, k: int) -> set[int]:
+    """The k most likely tokens and any as likely as the k-th (every token for k <= 0 or k >= the vocabulary)."""
+    if not 0 < k < len(row):
+        return set(range(len(row)))
+    kth = row.sort(descending=True).values[k - 1]
+    return set(torch.nonzero(row >= kth).flatten().tolist())
+
+
 def expected_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    x = logits[None].double() / params.temperature
-    x = _apply_top_k(x, [params.top_k])
-    probs = torch.softmax(x, dim=-1)[0]
+    """top_k, then top_p's nucleus of what top_k kept, then min_p; normalised."""
+    x = logits.double() / params.temperature
+    kept = top_k_by_definition(x, params.top_k)
+    x = torch.where(torch.tensor([t in kept for t in range(len(x))]), x, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
-        nucleus = nucleus_by_definition(x[0], params.top_p)
+        nucleus = nucleus_by_definition(x, params.top_p)
         probs = torch.tensor([p if token in nucleus else 0.0 for token, p in enumerate(probs.tolist())])
     if params.min_p > 0:
         probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
@@ -60,10 +80,11 @@ def expected_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
 
 
 CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
-         SamplingParams(temperature=1.3, top_k=3), SamplingParams(temperature=1.0, min_p=0.2)]
+         SamplingParams(temperature=1.3, top_k=3), SamplingParams(temperature=1.0, min_p=0.2),
+         SamplingParams(temperature=1.0, top_k=4, top_p=0.75, min_p=0.05)]
 
 
-@pytest.mark.parametrize("params", CASES, ids=["t1", "top_p", "top_k", "min_p"])
+@pytest.mark.parametrize("params", CASES, ids=["t1", "top_p", "top_k", "min_p", "all_filters"])
 def test_unseeded_draws_follow_the_filtered_softmax(params):
     logits = torch.tensor([1.5, 0.2, -0.4, 0.9, 0.0, -1.2])
     rows = 20_000
