@@ -145,7 +145,7 @@ class Sampler:
         if not random_rows:
             return logits.argmax(dim=-1).tolist()
         every_row = len(random_rows) == len(params)  # the usual case when sampling: no copy of the rows' logits
-        rows = torch.tensor(random_rows)
+        rows = None if every_row else torch.tensor(random_rows)
         x = (logits if every_row else logits[rows]) / torch.tensor([params[i].temperature for i in random_rows])[:, None]
         probs = torch.softmax(x, dim=-1)
         # Each filter keeps the tokens at least as likely as a threshold per row, and zeroes the others in place,
@@ -153,15 +153,15 @@ class Sampler:
         # nucleus is of what top_k kept.
         top_ks = [params[i].top_k for i in random_rows]
         if any(0 < k < probs.shape[1] for k in top_ks):
-            probs.mul_(torch.ge(probs, _top_k_threshold(probs, top_ks), out=torch.empty_like(probs)))
+            _keep_at_least(probs, _top_k_threshold(probs, top_ks))
         top_ps = [params[i].top_p for i in random_rows]
         min_ps = [params[i].min_p for i in random_rows]
         threshold = _nucleus_threshold(probs, top_ps) if any(p < 1.0 for p in top_ps) else None
         if any(min_ps):  # relative to the most likely token, which every filter keeps
             floor = torch.tensor(min_ps)[:, None] * probs.max(dim=-1, keepdim=True).values
             threshold = floor if threshold is None else torch.maximum(threshold, floor)
-        if threshold is not None:  # a float mask: multiplying by a bool one costs ~4x more on a CPU
-            probs.mul_(torch.ge(probs, threshold, out=torch.empty_like(probs)))
+        if threshold is not None:
+            _keep_at_least(probs, threshold)
         sampled = _inverse_cdf(probs, self._uniforms(batch, random_rows))
         if every_row:
             return sampled.tolist()
@@ -220,6 +220,12 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     # (clamped: a row of NaNs, which no filter makes, must still not yield a token id past the vocabulary)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)
+
+
+def _keep_at_least(probs: torch.Tensor, threshold: torch.Tensor) -> None:
+    """Zero, in place, each row's probabilities below its ``threshold`` ([rows, 1]). Through a float mask:
+    multiplying by a bool one costs ~4x more on a CPU."""
+    probs.mul_(torch.ge(probs, threshold, out=torch.empty_like(probs)))
 
 
 def _top_k_threshold(probs: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
