@@ -44,8 +44,8 @@ from benchmarks.metrics import TokenWaste, summarize, useful_computed_tokens
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.vllm_baseline import add_vllm_args, describe_settings, run_vllm, settings_from_args
 from benchmarks.workloads import (
-    WORKLOADS, add_engine_args, add_workload_args, build_checkpoint, describe_workload, make_engine, positive_int,
-    workload_from_args,
+    WORKLOADS, add_engine_args, add_workload_args, build_checkpoint, check_sampling_args, describe_workload,
+    make_engine, positive_int, workload_from_args,
 )
 
 MODES = ("continuous", "static")
@@ -293,8 +293,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
             parser.error("--structured-fraction compares our engine with itself; no baseline runs it")
         args.systems = [structured.system_name(f) for f in fractions]
     requests, arrivals, name = workload_from_args(parser, args)
-    sampled = args.temperature > 0 or args.top_p < 1
-    if sampled and ({"hf-static", "hf-cb"} & set(args.systems) or args.speculative):
+    if check_sampling_args(parser, args) and ({"hf-static", "hf-cb"} & set(args.systems) or args.speculative):
         parser.error("--temperature/--top-p: transformers' baselines and --speculative run greedy only")
     if args.rate is not None:
         if args.trace:

@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from benchmarks.vllm_baseline import resolve_peer_python
-from benchmarks.workloads import MODEL_NAME, build_checkpoint
+from benchmarks.workloads import MODEL_NAME, add_sampling_args, build_checkpoint, check_sampling_args
 from engine.engine_core import format_cpu_list
 from serve_app.cpu_plan import cpus_left
 from serve_app.ray_env import apply as apply_serve_env
@@ -193,13 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python")
     parser.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core)")
     parser.add_argument("--cache-dir", default=None, help="where the benchmark checkpoint is built")
-    parser.add_argument("--temperature", type=float, default=0.0, help="every request samples at this temperature "
-                                                                       "(default 0: greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="and keeps this nucleus (default 1)")
+    add_sampling_args(parser)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if not args.temperature >= 0 or not 0 < args.top_p <= 1:
-        parser.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
+    check_sampling_args(parser, args)
     systems = args.systems.split(",")
     if not set(systems) <= set(PORTS):
         parser.error(f"--systems: choose from {sorted(PORTS)}")

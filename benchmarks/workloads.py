@@ -300,9 +300,23 @@ def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 64, d
                         help="output length range in tokens, inclusive (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the workload and arrival times (the model weights always use seed 0)")
+    add_sampling_args(parser)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """How every request samples (greedy by default); ``check_sampling_args`` validates them."""
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="every request samples at this temperature (default 0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="and keeps this nucleus (default 1: all tokens)")
+
+
+def check_sampling_args(parser: argparse.ArgumentParser, args) -> bool:
+    """``add_sampling_args``' flags, or ``parser.error``; True when the requests sample rather than decode greedily."""
+    if not args.temperature >= 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    return args.temperature > 0 or args.top_p < 1
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -335,11 +349,7 @@ def workload_from_args(parser: argparse.ArgumentParser, args) -> tuple[list[Benc
             arrivals, name = None, args.workload
     except ValueError as e:
         parser.error(str(e))
-    if not args.temperature >= 0:
-        parser.error(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.temperature or args.top_p < 1:
+    if check_sampling_args(parser, args):
         requests = [dataclasses.replace(r, temperature=args.temperature, top_p=args.top_p) for r in requests]
     longest = max(r.prompt_len + r.max_tokens for r in requests)
     if longest > MODEL_SHAPE["max_position_embeddings"]:
