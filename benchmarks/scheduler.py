@@ -14,10 +14,14 @@ processes step N's outputs while the device computes. For each: wall time per st
 ``overhead_us_per_step`` = wall minus the time the stand-in's sleeps really took (a sleep overshoots).
 ``us_per_step`` is the synchronous loop's overhead: its host time per step.
 
-What a step costs here is the engine's side of it: scheduling, block bookkeeping, input preparation (the
-step's ``SchedulerOutput``: token ids, positions, block tables) and output processing (the scheduler's
-update, incremental detokenization, ``RequestOutput``s). The runner's own work, turning that batch into
-arrays and tensors for the attention backend and the model, goes with the stand-in.
+What a step costs here is the engine core's side of it (``LLMEngine.core_step``, what the engine's own process
+runs between forwards): scheduling, block bookkeeping, input preparation (the step's ``SchedulerOutput``: token
+ids, positions, block tables) and output processing (the scheduler's update, the step's records of new tokens).
+The runner's own work, turning that batch into arrays and tensors for the attention backend and the model, goes
+with the stand-in. The front end's work on those records (incremental detokenization, stop strings,
+``RequestOutput``s: ``engine.output_processor``) runs in the server's process while the core computes its next
+step; it is timed on its own ("front end" below), and so is the step's report crossing from one process to the
+other.
 
 A second pass times each part by wrapping it (exclusive time: block bookkeeping is taken out of
 scheduling); the wrappers cost a little, so that pass's total is shown next to the plain one.
@@ -112,7 +116,7 @@ def time_steps(engine, steps: int, num_requests: int) -> tuple[float, float, flo
     busy_before = device.busy_s
     start, cpu_start = time.perf_counter(), time.thread_time()
     for _ in range(steps):
-        engine.step()
+        engine.core_step()
     elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
     if engine.last_batch_size != num_requests:
         raise RuntimeError(f"{engine.last_batch_size} of {num_requests} requests in the batch while being timed")
@@ -144,18 +148,17 @@ class PartTimer:
 def time_parts(engine, steps: int) -> dict[str, float]:
     """Microseconds per step of each part, from a pass with every part wrapped."""
     timer = PartTimer()
-    scheduler, kv, processor, runner = engine.scheduler, engine.scheduler.kv, engine.output_processor, engine.runner
+    scheduler, kv, runner = engine.scheduler, engine.scheduler.kv, engine.runner
     device, runner.execute = runner.execute, StandInDevice()  # host time only: no device time in any part
-    wrapped = [(engine, "step", "engine loop"), (scheduler, "schedule", "scheduling"),
+    wrapped = [(engine, "core_step", "engine loop"), (scheduler, "schedule", "scheduling"),
                (kv, "allocate", "block bookkeeping"), (kv, "free", "block bookkeeping"),
                (scheduler, "_build_output", "input preparation"), (runner, "execute", "input preparation"),
-               (scheduler, "update", "output processing"), (processor, "process_tokens", "output processing"),
-               (processor, "make_output", "output processing")]
+               (scheduler, "update", "output processing"), (engine, "_records", "output processing")]
     for owner, name, part in wrapped:
         setattr(owner, name, timer.wrap(part, getattr(owner, name)))
     try:
         for _ in tqdm(range(steps), desc="timed parts", unit="step", file=sys.stderr, leave=False):
-            engine.step()
+            engine.core_step()
     finally:
         for owner, name, _ in wrapped:
             if name != "execute":
@@ -164,13 +167,26 @@ def time_parts(engine, steps: int) -> dict[str, float]:
     return {part: timer.seconds[part] / steps * 1e6 for part in PARTS}
 
 
+def time_front_end(engine, steps: int) -> float:
+    """Microseconds per step of the front end (``OutputProcessor.process``: detokenization, stop strings, the
+    ``RequestOutput``s) on the records of ``steps`` core steps: the server's process does this per step while
+    the engine's process computes the next one (in ``LLMEngine.step`` both run one after the other)."""
+    front_end, seconds = engine.output_processor, 0.0
+    for _ in range(steps):
+        records = engine.core_step()
+        start = time.perf_counter()
+        front_end.process(records)
+        seconds += time.perf_counter() - start
+    return seconds / steps * 1e6
+
+
 def time_report(engine, repeats: int = 50) -> tuple[float, float]:
     """(send, receive) microseconds of one step's report to the server's process, as the engine's own process
     (``engine_process=True``, what servers run) pickles it after every step and the server unpickles it: the
-    outputs of a decode step of every request."""
+    records of a decode step of every request."""
     from engine.engine_core import StepReport
 
-    report = StepReport(engine.step(), seconds=0.0, batch_size=engine.last_batch_size)
+    report = StepReport(engine.core_step(), seconds=0.0, batch_size=engine.last_batch_size)
     start = time.perf_counter()
     for _ in range(repeats):
         data = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
@@ -201,7 +217,7 @@ def count_opcodes(engine, steps: int) -> float:
     sys.settrace(on_call)
     try:
         for _ in range(steps):
-            engine.step()
+            engine.core_step()
     finally:
         sys.settrace(None)
     return count / steps
@@ -322,10 +338,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                        instrumented_us_per_step=instrumented)
         start_requests(sync["engine"], args, args.repeats + 2)
         send_us, receive_us = time_report(sync["engine"])
-        print_table("the step's report to the server's process (engine_process=True), microseconds",
-                    ["side", "us per step"], [["pickled in the engine's process (after its step)", send_us],
-                                              ["unpickled in the server's process", receive_us]])
-        payload.update(report_send_us_per_step=send_us, report_receive_us_per_step=receive_us)
+        start_requests(sync["engine"], args, args.repeats + 3)
+        front_end_us = time_front_end(sync["engine"], args.steps)
+        print_table("beside the core's step, microseconds per step",
+                    ["what", "where", "us per step"],
+                    [["the step's report, pickled", "engine's process (after its step)", send_us],
+                     ["the step's report, unpickled", "server's process", receive_us],
+                     [f"front end: text, stop strings, {args.output_kind} RequestOutputs", "server's process",
+                      front_end_us]])
+        payload.update(report_send_us_per_step=send_us, report_receive_us_per_step=receive_us,
+                       front_end_us_per_step=front_end_us)
         if args.plot:
             plot(parts, us_per_step, args.num_requests, args.plot)
         if args.opcodes:

@@ -1,10 +1,12 @@
 """The engine for servers: the step loop runs off the event loop, on its own thread or in its own process.
 
 The step loop (``engine_core.run_step_loop``) owns the engine: it takes in queued requests and aborts
-between steps, runs steps back to back while there is work, and reports each step's outputs, which reach
-the event loop in one ``call_soon_threadsafe``. So a busy event loop (a server relaying thousands of
-messages) never delays the next step, and the engine's state is only ever touched by one thread. ``submit``
-validates on the caller's side; each request's outputs flow back through its own ``asyncio.Queue``.
+between steps, runs the core's steps back to back while there is work, and reports each step's records (new
+token ids, ends), which reach the event loop in one ``call_soon_threadsafe``. There the front end
+(``OutputProcessor``) detokenizes, finds stop strings (and tells the core) and makes the outputs. So a busy event
+loop (a server relaying thousands of messages) never delays the next step, the engine's state is only ever
+touched by one thread, and the step loop never detokenizes. ``submit`` validates on the caller's side; each
+request's outputs flow back through its own ``asyncio.Queue``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 from engine.engine_core import EngineCoreProcess, StepReport, StepThread, parse_cpu_list
 from engine.llm_engine import LLMEngine
 from engine.models.loader import read_model_source
+from engine.output_processor import CoreRecord, OutputProcessor
 from engine.outputs import DeadlineUnmeetableError, RequestOutput
 from engine.request import Continuation, Request
 from engine.request_maker import PromptInput, RequestMaker
@@ -86,6 +89,7 @@ class AsyncLLMEngine:
             self._stats = self.engine.stats()
             self._maker = self.engine.request_maker
             self._core = StepThread(self.engine, self._on_report, self._on_death)
+        self._front_end = OutputProcessor(self.tokenizer)  # event-loop side only
 
     async def generate(self, prompt: PromptInput, params: SamplingParams | PoolingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -122,6 +126,7 @@ class AsyncLLMEngine:
         except DeadlineUnmeetableError as e:  # refused on the stream, like a refusal from the engine
             queue.put_nowait(e)
         else:
+            self._front_end.add(requests)
             with self._lock:  # recorded before it is sent, so the report that takes it in finds it
                 self._seq = seq = self._seq + 1
                 self._unapplied[seq] = requests
@@ -220,8 +225,8 @@ class AsyncLLMEngine:
                     del self._unapplied[seq]
         if report.seconds is not None and self.step_observer is not None:
             self.step_observer(report.seconds, report.batch_size)
-        if report.outputs:
-            self._loop.call_soon_threadsafe(self._deliver, report.outputs)
+        if report.records:
+            self._loop.call_soon_threadsafe(self._deliver, report.records)
         if report.refused:
             self._loop.call_soon_threadsafe(self._deliver_errors, report.refused)
 
@@ -231,7 +236,11 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(self._fail_all, error)
 
     # -- on the event loop -----------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, records: list[CoreRecord]) -> None:
+        outputs, stopped = self._front_end.process(records)
+        if self._dead is None and not self._stopping:
+            for request_id, stop in stopped:  # the core ends it between its next steps
+                self._core.send(("stop_string", request_id, stop))
         for output in outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
@@ -239,6 +248,7 @@ class AsyncLLMEngine:
 
     def _deliver_errors(self, refused: list[tuple[str, Exception]]) -> None:
         for request_id, error in refused:
+            self._front_end.forget(request_id)
             queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(error)

@@ -1,9 +1,11 @@
 """The step loop that ``AsyncLLMEngine`` drives: on a thread of its own, or in a process of its own.
 
-One loop, ``run_step_loop``, whichever it runs on: it takes commands (add requests, abort one, stop) between
-steps, runs steps back to back while there is work, and reports after each step (``StepReport``: the
-outputs, the requests refused at admission, the step's time and rows, and now and then the engine's stats
-and queue view). Only two small functions differ, how commands come in and how reports go out:
+One loop, ``run_step_loop``, whichever it runs on: it takes commands (add requests, abort one, end one at a
+stop string, stop) between steps, runs the engine's core steps back to back while there is work, and reports
+after each step (``StepReport``: the core's records of new tokens and ends, the requests refused at admission,
+the step's time and rows, and now and then the engine's stats and queue view). The caller's front end
+(``engine.output_processor``) turns the records into text and outputs, so the loop never detokenizes. Only two
+small functions differ, how commands come in and how reports go out:
 
 * ``StepThread``: a thread of the caller's process, commands in a locked list (the engine shares the
   process, and its GIL, with the caller);
@@ -31,7 +33,8 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable
 
-from engine.outputs import DeadlineUnmeetableError, RequestOutput, pack_outputs, unpack_outputs
+from engine.output_processor import CoreRecord
+from engine.outputs import DeadlineUnmeetableError
 from engine.ttft_predictor import QueueView
 
 IDLE_WAIT_S = 0.5  # how often an idle loop looks up (new work wakes it at once)
@@ -43,21 +46,13 @@ AUTHKEY_ENV = "INFLIGHT_ENGINE_CORE_AUTHKEY"
 
 @dataclasses.dataclass
 class StepReport:
-    outputs: list[RequestOutput] = dataclasses.field(default_factory=list)
+    records: list[CoreRecord] = dataclasses.field(default_factory=list)  # the step's, for the caller's front end
     refused: list[tuple[str, Exception]] = dataclasses.field(default_factory=list)  # (request id, why)
     seconds: float | None = None  # the step's wall time (None: no step ran)
     batch_size: int = 0
     stats: dict[str, Any] | None = None
     view: QueueView | None = None
     applied_seq: int = 0  # every add command up to this one is in stats and view
-
-    def __reduce__(self):  # sent to the server's process after every step: the outputs as plain tuples
-        rest = tuple(getattr(self, field.name) for field in dataclasses.fields(self)[1:])
-        return _unpack_report, (pack_outputs(self.outputs), *rest)
-
-
-def _unpack_report(packed_outputs, *fields) -> StepReport:
-    return StepReport(unpack_outputs(packed_outputs), *fields)
 
 
 def parse_cpu_list(text: str) -> set[int]:
@@ -94,7 +89,9 @@ class EngineDied(Exception):
 def run_step_loop(engine, receive: Callable[[bool], list[tuple]], report: Callable[[StepReport], None]) -> None:
     """Run ``engine`` (an ``LLMEngine``) until a ("stop",) command. ``receive(wait)`` returns the commands
     sent since its last call, waiting up to ``IDLE_WAIT_S`` for one if ``wait``; ``report`` hands a
-    ``StepReport`` to the caller. Commands: ("add", seq, requests), ("abort", request_id), ("stop",)."""
+    ``StepReport`` to the caller, whose front end (``OutputProcessor``) makes the outputs. Commands: ("add", seq,
+    requests), ("abort", request_id), ("stop_string", request_id, stop): the front end found a stop string,
+    ("stop",): end the loop."""
     applied_seq, stats_time = 0, 0.0
     while True:
         idle = not engine.has_unfinished_requests()
@@ -107,20 +104,22 @@ def run_step_loop(engine, receive: Callable[[bool], list[tuple]], report: Callab
                 _, applied_seq, requests = command
                 added = True
                 try:
-                    engine.enqueue(requests)
+                    engine.enqueue_core(requests)
                 except (ValueError, DeadlineUnmeetableError) as e:
                     refused.append((requests[0].parent_id, e))
             elif kind == "abort":
                 engine.abort_request(command[1])
+            elif kind == "stop_string":
+                engine.finish_stopped(command[1], command[2])
         if not engine.has_unfinished_requests():
             if added or refused or not idle:  # news: what was added ended at once, or the last request ended
                 report(StepReport(refused=refused, stats=engine.stats(), view=engine.queue_view(),
                                   applied_seq=applied_seq))
             continue
         started = time.perf_counter()
-        outputs = engine.step()
+        records = engine.core_step()
         finished = time.perf_counter()
-        step = StepReport(outputs, refused, finished - started, engine.last_batch_size, applied_seq=applied_seq)
+        step = StepReport(records, refused, finished - started, engine.last_batch_size, applied_seq=applied_seq)
         # Fresh at least every period, after new requests are in, and before the outputs that leave the engine
         # idle are delivered: whoever awaited the last result must not read stats from before it.
         if added or finished - stats_time >= STATS_PERIOD_S or not engine.has_unfinished_requests():

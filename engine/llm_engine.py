@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterable
 from engine.config import EngineConfig
 from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
 from engine.models.loader import read_model_source
-from engine.model_runner import ModelRunner, RunnerOutput, SharedBudget, resolve_device, resolve_dtype
-from engine.output_processor import OutputProcessor
+from engine.model_runner import ModelRunner, PromptOutput, RunnerOutput, SharedBudget, resolve_device, resolve_dtype
+from engine.output_processor import CoreRecord, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.prefill_lane import PrefillLane
 from engine.request import Continuation, Request, RequestStatus
@@ -82,6 +82,7 @@ class LLMEngine:
         self.kv_diagnosis: KVDiagnosis | None = None
         self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.num_steps = 0
+        self._token_time = 0.0  # when the latest step's tokens arrived
         self.last_batch_size = 0  # rows computed by the latest step
         self.num_finished_requests = 0
         self.num_generated_tokens = 0
@@ -191,6 +192,13 @@ class LLMEngine:
         return self.request_maker.make_requests(request_id, prompt, params, priority, arrival_time, continuations)
 
     def enqueue(self, requests: list[Request]) -> None:
+        """Queue a request made by ``make_requests``; its outputs come from ``step``."""
+        self.enqueue_core(requests)
+        self.output_processor.add(requests)
+
+    def enqueue_core(self, requests: list[Request]) -> None:
+        """Queue a request in the core alone: a front end elsewhere (``AsyncLLMEngine``) makes its outputs from
+        ``core_step``'s records. Raises ``ValueError`` or ``DeadlineUnmeetableError`` if it is refused."""
         parent = requests[0].parent_id
         if parent in self._children:
             raise ValueError(f"request_id {parent!r} is already in use")
@@ -298,7 +306,17 @@ class LLMEngine:
         """One step of the loop; returns the outputs of the requests that got a token or ended.
 
         Synchronously: schedule, compute, process. With async scheduling: schedule and launch this step, then
-        process the previous step's results while this one computes; outputs lag the device by one step."""
+        process the previous step's results while this one computes; outputs lag the device by one step. The
+        core's step (``core_step``) then its front end (``OutputProcessor``): text, stop strings, outputs."""
+        outputs, stopped = self.output_processor.process(self.core_step())
+        for request_id, stop in stopped:
+            self.finish_stopped(request_id, stop)
+        return outputs
+
+    def core_step(self) -> list[CoreRecord]:
+        """One step of the core: schedule, compute, apply the tokens (token-level stop rules), and report each
+        sequence that got tokens or ended as a ``CoreRecord`` (output_processor.py), for a front end to turn into
+        text and outputs. A process that runs only the core (engine_core) sends these."""
         scheduler = self.scheduler
         listener = self.step_listener
         started = time.perf_counter()
@@ -319,27 +337,92 @@ class LLMEngine:
         if self.lane is not None and self.lane.has_work():
             for request in self._run_prefill_lane():
                 touched[request.parent_id] = None
-        outputs = []
-        children_of, make_output = self._children, self.output_processor.make_output
-        for parent in touched:
-            children = children_of[parent]
-            if children[0].params.output_kind == "final_only" and not all(c.is_finished for c in children):
-                continue
-            output = make_output(children)
-            if output.finished:
-                for child in children_of.pop(parent):
-                    if self.speculator is not None:
-                        self.speculator.forget(child.request_id)
-                    if child.finish_reason in ("stop", "length") and not child.prefill_only:
-                        self._sum_output_lengths += child.num_output_tokens
-                        self._num_output_lengths += 1
-                self.num_finished_requests += 1
-            outputs.append(output)
-        if not children_of and self._in_flight is None:
+        records = self._records(touched)
+        if not self._children and self._in_flight is None:
             self._release_runner_state()
         if record is not None:
             listener(dataclasses.replace(record, duration_s=time.perf_counter() - started))
-        return outputs
+        return records
+
+    def _records(self, touched: dict[str, None]) -> list[CoreRecord]:
+        """The records of the requests this step touched: per sequence, what is new since its last record. A
+        request whose sequences have all ended leaves the engine here."""
+        records: list[CoreRecord] = []
+        add = records.append
+        children_of, finished, token_time = self._children, RequestStatus.FINISHED, self._token_time
+        for parent in touched:
+            children = children_of.get(parent)
+            if children is None:  # a stop string ended it since (finish_stopped)
+                continue
+            all_ended = True
+            for child in children:
+                ended = child.status is finished
+                if not ended:
+                    all_ended = False
+                    token_ids, sent = child.output_token_ids, child.sent_token_len
+                    num_tokens = len(token_ids)
+                    if num_tokens == sent:
+                        continue  # nothing new for it (with n > 1: a sibling advanced)
+                    if child.sent_first_output and child.logprobs is None:  # the usual: new tokens, nothing else
+                        child.sent_token_len = num_tokens
+                        add((child.request_id, token_ids[sent:], None, None, None, None, None, None))
+                        continue
+                record = self._record(child, ended, token_time)
+                if record is not None:
+                    add(record)
+            if all_ended:
+                self._retire(parent)
+        return records
+
+    @staticmethod
+    def _record(child: Request, ended: bool, token_time: float) -> CoreRecord | None:
+        """``_records``' general case: a sequence's first record (the prompt's outputs, the metrics), its last (its
+        end, the metrics, an embedding), one with logprobs; None while a request reports only at its end."""
+        token_ids, metrics = child.output_token_ids, child.metrics
+        if token_ids and metrics.first_token_time is None:
+            metrics.first_token_time = token_time
+        if not ended and child.reports_at_end:
+            return None
+        new = token_ids[child.sent_token_len:]
+        child.sent_token_len = len(token_ids)
+        logprobs = child.logprobs
+        if logprobs:
+            child.logprobs = []
+        first = not child.sent_first_output
+        child.sent_first_output = True
+        m = None
+        if (first or ended) and child.index == 0:
+            m = (metrics.first_scheduled_time, metrics.first_token_time, metrics.finished_time, metrics.num_preemptions,
+                 metrics.predicted_ttft_s)
+        embedding = None
+        if ended and child.pool and child.pooled_sum is not None:
+            embedding = (child.pooled_sum / child.num_prompt_tokens).tolist()
+        return (child.request_id, new, child.finish_reason if ended else None, child.stop_reason, logprobs or None,
+                child.prompt_logprobs if first else None, embedding, m)
+
+    def _retire(self, parent: str) -> None:
+        """Every sequence of the request has ended: it leaves the engine."""
+        for child in self._children.pop(parent):
+            if self.speculator is not None:
+                self.speculator.forget(child.request_id)
+            if child.finish_reason in ("stop", "length") and not child.prefill_only:
+                self._sum_output_lengths += child.num_output_tokens
+                self._num_output_lengths += 1
+        self.num_finished_requests += 1
+
+    def finish_stopped(self, request_id: str, stop: str) -> None:
+        """A stop string, found by the front end, ended sequence ``request_id``: it ends in the core now (its slot
+        and blocks go back before the next step). Unknown or already ended: nothing to do."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        request.finish_reason, request.stop_reason = "stop", stop
+        self.scheduler.finish(request, "stop")
+        parent = request.parent_id
+        if all(c.is_finished for c in self._children[parent]):
+            self._retire(parent)
+        if not self._children and self._in_flight is None:
+            self._release_runner_state()
 
     def _release_runner_state(self) -> None:
         """Idle: what the runner keeps per request (penalty counts) for requests that ended goes now, not with
@@ -389,18 +472,20 @@ class LLMEngine:
         if step_seconds is not None:
             seconds = step_seconds
         if result.prompt_outputs:  # before update, which ends the prefill-only requests whose prompt is done
-            rows, add_prompt_outputs = launched.rows, self.output_processor.add_prompt_outputs
+            rows = launched.rows
             for row, prompt_output in result.prompt_outputs.items():
                 if not rows[row].is_finished:
                     add_prompt_outputs(rows[row], batch.start_positions[row], prompt_output)
         logprobs, accepted = result.logprobs, result.accepted_token_ids
-        logprobs_by_id = ({rid: [lp, *result.accepted_logprobs.get(row, ())]
-                           for row, (rid, lp) in enumerate(zip(batch.request_ids, logprobs)) if lp is not None}
-                          if logprobs.count(None) != len(logprobs) else None)
+        self._token_time = time.time()  # when this step's tokens arrived (a first token's time, in _records)
         advanced = scheduler.update(result.sampled_token_ids, accepted)
-        for request in self.output_processor.process_tokens(advanced, logprobs_by_id, scheduler.num_appended):
-            if not request.is_finished:
-                scheduler.finish(request, "stop")  # a stop string ended it
+        if logprobs.count(None) != len(logprobs):  # the raw logprobs wait on their requests until reported
+            rows, got_token = launched.rows, set(advanced)
+            for row, token_logprobs in enumerate(logprobs):
+                request = rows[row]
+                if token_logprobs is not None and request.logprobs is not None and request in got_token:
+                    request.logprobs.append(token_logprobs)
+                    request.logprobs.extend(result.accepted_logprobs.get(row, ()))
         for request in advanced:
             touched[request.parent_id] = None
         for request in scheduler.drain_ended_without_token():  # prefill-only requests done in this step
@@ -429,7 +514,6 @@ class LLMEngine:
         lane = self.lane
         batch = lane.next_batch()
         if batch:
-            add_prompt_outputs = self.output_processor.add_prompt_outputs
             prefill_input = lane.batch_input(batch)
             # after any step still computing: one thread owns the device
             results = (self.runner.execute_prefill(prefill_input) if self._device is None
@@ -494,3 +578,13 @@ class LLMEngine:
             **(self.speculator.stats() if self.speculator is not None else {}),
             "time": time.time(),
         }
+
+
+def add_prompt_outputs(request: Request, start: int, output: PromptOutput) -> None:
+    """A prompt chunk from position ``start``: its prompt tokens' raw logprobs and its pooled hidden states."""
+    if output.logprobs is not None:
+        assert len(request.prompt_logprobs) == start + 1, "prompt logprobs must arrive chunk after chunk"
+        request.prompt_logprobs.extend(output.logprobs)
+    if output.pooled_sum is not None:
+        pooled = request.pooled_sum
+        request.pooled_sum = output.pooled_sum if pooled is None else pooled + output.pooled_sum

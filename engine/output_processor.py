@@ -1,85 +1,194 @@
-"""Turns sampled tokens into text and ``RequestOutput``s: detokenization, stop strings, logprobs."""
+"""The front end of the engine's outputs: token ids become text and ``RequestOutput``s.
+
+The engine's core (``LLMEngine.core_step``) reports, after each step, what each sequence got: its new token ids,
+its end, the raw logprobs (``CoreRecord``). This class does the rest: incremental detokenization, stop strings,
+the logprobs' token texts, and the outputs' shape (``output_kind``). It runs wherever the caller is: inside
+``LLMEngine.step`` right after the core's step, or in a server's process (``AsyncLLMEngine``) while the core, in a
+process of its own, already runs the next step. So the engine's loop never detokenizes (vLLM V1 splits its engine
+core and its front end the same way).
+
+A stop string is found here, so the core hears of it afterwards (``LLMEngine.finish_stopped``): at once in
+``LLMEngine.step``, a step or two later across processes. Nothing the core computes for a sequence after its
+stop string is ever shown: records for a sequence that ended here are ignored.
+"""
 
 from __future__ import annotations
 
-import time
-
-from engine.model_runner import PromptOutput
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.request import Request, RequestStatus
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.request import Request
 from engine.sampler import TokenLogprobs
 from engine.tokenizer import Tokenizer
 
-_FINISHED = RequestStatus.FINISHED
+# What the core reports for one sequence after a step, in this order (plain builtins: it crosses processes):
+# (request_id, new_token_ids, finish_reason, stop_reason, raw logprobs of the new tokens or None,
+#  raw prompt_logprobs (in the sequence's first record) or None, embedding (in its last) or None,
+#  metrics (RequestMetrics' fields after arrival_time, in the first and last record of a request's first
+#  sequence) or None). A request with ``reports_at_end`` (final-only, no stop strings) has one record, at its end.
+CoreRecord = tuple
+
+
+class _Request:
+    """What the front end keeps of a request (all its ``n`` sequences) until its final output."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "sequences", "output_kind",
+                 "sent_first_output", "metrics", "embedding")
+
+    def __init__(self, first: Request) -> None:
+        self.request_id = first.parent_id
+        self.prompt = first.prompt
+        self.prompt_token_ids = first.prompt_token_ids
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.sequences: list[_Sequence] = []
+        self.output_kind = first.params.output_kind
+        self.sent_first_output = False  # delta outputs carry the prompt's fields in the first one only
+        self.metrics: RequestMetrics = first.metrics
+        self.embedding: list[float] | None = None
+
+
+class _Sequence:
+    """One sequence's text so far and what of it was sent."""
+
+    __slots__ = ("request_id", "index", "parent", "token_ids", "text", "decoder", "skip_special_tokens", "stop",
+                 "max_stop_chars", "sent_text_len", "sent_token_len", "logprobs", "cumulative_logprob",
+                 "finish_reason", "stop_reason")
+
+    def __init__(self, request: Request, parent: _Request) -> None:
+        params = request.params
+        self.request_id = request.request_id
+        self.index = request.index
+        self.parent = parent
+        self.token_ids = list(request.output_token_ids)  # a continued sequence's earlier tokens (else empty)
+        self.text = ""
+        self.decoder = None  # built at the first token
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = params.stop
+        self.max_stop_chars = params.max_stop_chars
+        self.sent_token_len = len(self.token_ids)
+        self.sent_text_len = request.continued_text_len
+        with_logprobs = params.logprobs is not None
+        # a continued sequence's earlier tokens' logprobs were sent by the engine that computed them
+        self.logprobs: list[dict[int, Logprob] | None] | None = [None] * len(self.token_ids) if with_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if with_logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob entries name every token)
+        self._requests: dict[str, _Request] = {}
+        self._sequences: dict[str, _Sequence] = {}
 
-    def process_tokens(self, requests: list[Request], logprobs_by_id: dict[str, list[TokenLogprobs]] | None = None,
-                       num_appended: dict[str, int] | None = None) -> list[Request]:
-        """Account for the token each of ``requests`` just got (its logprobs, in a one-entry list); returns those a
-        stop string ended. ``num_appended``: requests that got several tokens (a speculative step), and how many.
+    def __len__(self) -> int:
+        """Requests whose final output has not been made yet."""
+        return len(self._requests)
+
+    def add(self, requests: list[Request]) -> None:
+        """A request's sequences (all ``n``), as the core got them."""
+        parent = _Request(requests[0])
+        self._requests[parent.request_id] = parent
+        for request in requests:
+            sequence = _Sequence(request, parent)
+            parent.sequences.append(sequence)
+            self._sequences[sequence.request_id] = sequence
+
+    def forget(self, request_id: str) -> None:
+        """A request the core refused: no output will come for it."""
+        parent = self._requests.pop(request_id, None)
+        if parent is not None:
+            for sequence in parent.sequences:
+                self._sequences.pop(sequence.request_id, None)
+
+    def process(self, records: list[CoreRecord]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """The outputs of a core step's records, and the sequences a stop string ended here while the core has
+        them running: (request id, stop string), for ``LLMEngine.finish_stopped``.
 
         One call per step with its loop inside: this runs for every row of every step."""
-        stopped = []
-        for request in requests:
-            metrics = request.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = time.time()
-            count = num_appended.get(request.request_id, 1) if num_appended else 1
-            decoder = request.decoder
-            if decoder is None:
-                decoder = request.decoder = self.tokenizer.decode_stream(request.params.skip_special_tokens)
-                for token_id in request.output_token_ids[:-count]:  # a continued sequence's earlier tokens (if any)
-                    request.text += decoder.step(token_id) or ""
-            if logprobs_by_id is not None and request.logprobs is not None:
-                for token_logprobs in logprobs_by_id.get(request.request_id, ()):
-                    self._append_logprobs(request, token_logprobs)
-            if count > 1:
-                if self._several_tokens(request, decoder, count):
-                    stopped.append(request)
+        touched: dict[_Request, None] = {}
+        stopped: list[tuple[str, str]] = []
+        sequences = self._sequences
+        for record in records:
+            sequence = sequences.get(record[0])
+            if sequence is None or sequence.finish_reason is not None:
+                continue  # a stop string ended it here: the core's later work on it is not shown
+            parent = sequence.parent
+            if record[2] is None and record[4] is None and record[7] is None:  # the usual: new tokens, nothing else
+                touched[parent] = None
+                if self._add_tokens(sequence, record[1], None):
+                    stopped.append((record[0], sequence.stop_reason))
                 continue
-            # One token, _several_tokens' loop unrolled: this runs for every row of every step, and a call per row
-            # would cost the plain path more than all of speculation's hooks (benchmarks.scheduler --opcodes).
-            piece = decoder.step(request.output_token_ids[-1])
-            if piece:
-                request.text += piece
-                if request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
-                    stopped.append(request)
-        return stopped
+            request_id, token_ids, finish_reason, stop_reason, logprobs, prompt_logprobs, embedding, metrics = record
+            if metrics is not None:
+                m = parent.metrics
+                m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions, m.predicted_ttft_s = metrics
+            if prompt_logprobs is not None and sequence.index == 0:
+                parent.prompt_logprobs = [self._logprob_entry(lp) if lp is not None else None for lp in prompt_logprobs]
+            if embedding is not None:
+                parent.embedding = embedding
+            if token_ids and self._add_tokens(sequence, token_ids, logprobs) and finish_reason is None:
+                stopped.append((request_id, sequence.stop_reason))
+            if finish_reason is not None and sequence.finish_reason is None:
+                sequence.finish_reason, sequence.stop_reason = finish_reason, stop_reason
+            touched[parent] = None
+        outputs = []
+        for parent in touched:
+            children = parent.sequences
+            finished = (children[0].finish_reason is not None if len(children) == 1
+                        else all(s.finish_reason is not None for s in children))
+            if parent.output_kind == "final_only" and not finished:
+                continue
+            outputs.append(self._make_output(parent, finished))
+            if finished:
+                del self._requests[parent.request_id]
+                for sequence in parent.sequences:
+                    del sequences[sequence.request_id]
+        return outputs, stopped
 
-    def _several_tokens(self, request: Request, decoder, count: int) -> bool:
-        """The last ``count`` output tokens, each checked for a stop string; True if one ended the request (the
-        tokens after it go: they would not have been generated)."""
-        output_token_ids = request.output_token_ids
-        for index in range(len(output_token_ids) - count, len(output_token_ids)):
-            piece = decoder.step(output_token_ids[index])
+    def _add_tokens(self, sequence: _Sequence, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> bool:
+        """Append ``token_ids`` (their ``logprobs``, when asked for), each checked for a stop string; True if one
+        ended the sequence (the tokens after it go: they would not have been generated)."""
+        decoder = sequence.decoder
+        if decoder is None:
+            decoder = sequence.decoder = self.tokenizer.decode_stream(sequence.skip_special_tokens)
+            for token_id in sequence.token_ids:  # a continued sequence's earlier tokens (if any)
+                sequence.text += decoder.step(token_id) or ""
+        if len(token_ids) == 1 and logprobs is None:  # the usual, unrolled: this runs for every row of every step
+            token_id = token_ids[0]
+            sequence.token_ids.append(token_id)
+            piece = decoder.step(token_id)
             if piece:
-                request.text += piece
-                if request.params.stop and self._cut_at_stop_string(request, len(request.text) - len(piece)):
-                    request.drop_tokens_after(index + 1)
+                sequence.text += piece
+                return bool(sequence.stop) and self._cut_at_stop_string(sequence, len(sequence.text) - len(piece))
+            return False
+        with_logprobs = logprobs is not None and sequence.logprobs is not None
+        for i, token_id in enumerate(token_ids):
+            sequence.token_ids.append(token_id)
+            if with_logprobs and i < len(logprobs):
+                self._append_logprobs(sequence, logprobs[i])
+            piece = decoder.step(token_id)
+            if piece:
+                sequence.text += piece
+                if sequence.stop and self._cut_at_stop_string(sequence, len(sequence.text) - len(piece)):
                     return True
         return False
 
     @staticmethod
-    def _cut_at_stop_string(request: Request, old_len: int) -> bool:
+    def _cut_at_stop_string(sequence: _Sequence, old_len: int) -> bool:
         """If the text (``old_len`` chars before this token) now holds a stop string, cut it there and end."""
         # A stop string may straddle tokens: look back far enough to catch one that began earlier.
-        search_from = max(0, old_len - request.params.max_stop_chars + 1)
-        hits = [(i, s) for s in request.params.stop if (i := request.text.find(s, search_from)) >= 0]
+        search_from = max(0, old_len - sequence.max_stop_chars + 1)
+        hits = [(i, s) for s in sequence.stop if (i := sequence.text.find(s, search_from)) >= 0]
         if not hits:
             return False
         index, stop = min(hits)
-        request.text = request.text[:index]  # the stop string itself is not returned
-        request.finish_reason, request.stop_reason = "stop", stop
+        sequence.text = sequence.text[:index]  # the stop string itself is not returned
+        sequence.finish_reason, sequence.stop_reason = "stop", stop
         return True
 
-    def _append_logprobs(self, request: Request, token_logprobs: TokenLogprobs) -> None:
-        request.logprobs.append(self._logprob_entry(token_logprobs))
-        request.cumulative_logprob += token_logprobs[0][1]
+    def _append_logprobs(self, sequence: _Sequence, token_logprobs: TokenLogprobs) -> None:
+        sequence.logprobs.append(self._logprob_entry(token_logprobs))
+        sequence.cumulative_logprob += token_logprobs[0][1]
 
     def _logprob_entry(self, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
         """The token's logprob and rank, then its top alternatives (rank 1 first), each with its text."""
@@ -97,78 +206,65 @@ class OutputProcessor:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def add_prompt_outputs(self, request: Request, start: int, output: PromptOutput) -> None:
-        """A prompt chunk from position ``start``: its prompt tokens' logprobs and its pooled hidden states."""
-        if output.logprobs is not None:
-            assert len(request.prompt_logprobs) == start + 1, "prompt logprobs must arrive chunk after chunk"
-            request.prompt_logprobs.extend(self._logprob_entry(lp) for lp in output.logprobs)
-        if output.pooled_sum is not None:
-            pooled = request.pooled_sum
-            request.pooled_sum = output.pooled_sum if pooled is None else pooled + output.pooled_sum
-
-    def make_output(self, children: list[Request]) -> RequestOutput:
-        """Snapshot of a request (all ``n`` children) with what is new since the last snapshot, shaped by its
+    def _make_output(self, parent: _Request, finished: bool) -> RequestOutput:
+        """Snapshot of a request (all ``n`` sequences) with what is new since the last snapshot, shaped by its
         ``output_kind``: a delta output holds only what is new, and the prompt's fields in the first one only."""
-        first = children[0]
-        complete = _delta if first.params.output_kind == "delta" else _completion
-        if len(children) == 1:  # the usual case, once per request per step: no generator for all()
-            completions = [complete(first)]
-            finished = first.status is _FINISHED
-        else:
-            completions = [complete(child) for child in children]
-            finished = all(c.is_finished for c in children)
-        prompt_token_ids, prompt_logprobs = first.prompt_token_ids, first.prompt_logprobs
+        complete = _delta if parent.output_kind == "delta" else _completion
+        sequences = parent.sequences
+        completions = [complete(sequences[0])] if len(sequences) == 1 else [complete(s) for s in sequences]
+        prompt_token_ids, prompt_logprobs = parent.prompt_token_ids, parent.prompt_logprobs
         if complete is _delta:
-            if first.sent_first_output:
+            if parent.sent_first_output:
                 prompt_token_ids = prompt_logprobs = None
-            first.sent_first_output = True
+            parent.sent_first_output = True
         # Positional, in field order: keyword arguments cost twice as much, and this runs per request per step.
-        output = RequestOutput(first.parent_id, first.prompt, prompt_token_ids, completions, finished,
-                               first.metrics, prompt_logprobs)
-        if finished and first.pool and first.pooled_sum is not None:
-            output.embedding = (first.pooled_sum / first.num_prompt_tokens).tolist()
+        output = RequestOutput(parent.request_id, parent.prompt, prompt_token_ids, completions, finished,
+                               parent.metrics, prompt_logprobs)
+        if finished and parent.embedding is not None:
+            output.embedding = parent.embedding
         return output
 
 
-def _visible_text_len(request: Request, finished: bool) -> int:
+def _visible_text_len(sequence: _Sequence, finished: bool) -> int:
     """How much of the text may be sent: all of it, except what could be the start of a stop string while the
-    request runs (so a stop string is never streamed)."""
-    text, stops = request.text, request.params.stop
-    if finished or not stops:
+    sequence runs (so a stop string is never streamed)."""
+    text_len = len(sequence.text)
+    if finished or not sequence.stop:
         # Without stop strings nothing is held back. Never below what was sent: a continued sequence
         # (engine.request.Continuation) has sent text before its detokenizer has replayed it.
-        return max(request.sent_text_len, len(text))
-    return max(request.sent_text_len, len(text) - max(0, request.params.max_stop_chars - 1))
+        return max(sequence.sent_text_len, text_len)
+    return max(sequence.sent_text_len, text_len - max(0, sequence.max_stop_chars - 1))
 
 
-def _completion(request: Request) -> CompletionOutput:
+def _completion(sequence: _Sequence) -> CompletionOutput:
     """One sequence's snapshot, everything so far; advances what has been sent of it."""
-    text = request.text
-    finished = request.status is _FINISHED
-    visible = _visible_text_len(request, finished)
-    output_token_ids = request.output_token_ids
-    new_text = text[request.sent_text_len:visible]
-    new_tokens = output_token_ids[request.sent_token_len:]
-    request.sent_text_len = visible
-    request.sent_token_len = len(output_token_ids)
+    text = sequence.text
+    finished = sequence.finish_reason is not None
+    visible = _visible_text_len(sequence, finished)
+    token_ids = sequence.token_ids
+    new_text = text[sequence.sent_text_len:visible]
+    new_tokens = token_ids[sequence.sent_token_len:]
+    sequence.sent_text_len = visible
+    sequence.sent_token_len = len(token_ids)
     # Positional, in field order (index, token_ids, text, new_token_ids, new_text, finish_reason, stop_reason,
-    # logprobs, cumulative_logprob), for the same reason as in make_output.
-    return CompletionOutput(request.index, list(output_token_ids), text[:visible], new_tokens, new_text,
-                            request.finish_reason if finished else None, request.stop_reason,
-                            list(request.logprobs) if request.logprobs is not None else None,
-                            request.cumulative_logprob)
+    # logprobs, cumulative_logprob), for the same reason as in _make_output.
+    return CompletionOutput(sequence.index, list(token_ids), text[:visible], new_tokens, new_text,
+                            sequence.finish_reason, sequence.stop_reason,
+                            list(sequence.logprobs) if sequence.logprobs is not None else None,
+                            sequence.cumulative_logprob)
 
 
-def _delta(request: Request) -> CompletionOutput:
+def _delta(sequence: _Sequence) -> CompletionOutput:
     """One sequence's new tokens, text and logprobs since the previous output; advances what has been sent."""
-    finished = request.status is _FINISHED
-    visible = _visible_text_len(request, finished)
-    sent_tokens = request.sent_token_len
-    new_text = request.text[request.sent_text_len:visible]
-    new_tokens = request.output_token_ids[sent_tokens:]
-    request.sent_text_len = visible
-    request.sent_token_len = sent_tokens + len(new_tokens)
-    logprobs = request.logprobs[sent_tokens:] if request.logprobs is not None else None  # one entry per token
-    return CompletionOutput(request.index, new_tokens, new_text, new_tokens, new_text,
-                            request.finish_reason if finished else None, request.stop_reason, logprobs,
-                            request.cumulative_logprob)
+    finished = sequence.finish_reason is not None
+    # _visible_text_len, its usual case inline (it runs per request per step)
+    visible = max(sequence.sent_text_len, len(sequence.text)) if not sequence.stop else \
+        _visible_text_len(sequence, finished)
+    sent_tokens = sequence.sent_token_len
+    new_text = sequence.text[sequence.sent_text_len:visible]
+    new_tokens = sequence.token_ids[sent_tokens:]
+    sequence.sent_text_len = visible
+    sequence.sent_token_len = sent_tokens + len(new_tokens)
+    logprobs = sequence.logprobs[sent_tokens:] if sequence.logprobs is not None else None  # one entry per token
+    return CompletionOutput(sequence.index, new_tokens, new_text, new_tokens, new_text, sequence.finish_reason,
+                            sequence.stop_reason, logprobs, sequence.cumulative_logprob)

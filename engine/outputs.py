@@ -29,9 +29,6 @@ class Logprob:
     rank: int  # 1 = the most likely token
     decoded_token: str | None = None
 
-    def __reduce__(self):  # positional: logprob entries cross to the server's process by the thousand
-        return Logprob, (self.logprob, self.rank, self.decoded_token)
-
 
 @dataclass
 class RequestMetrics:
@@ -85,38 +82,3 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None
-
-
-# -- across a process boundary ------------------------------------------------------------------------------
-# The engine's process sends every step's outputs to the server's (engine.engine_core). Pickle's generic path
-# for a dataclass (``__reduce_ex__``, a state dict per object, rebuilt attribute by attribute) cost 780 us to
-# send and 850 us to receive 256 outputs, more than half the engine's own host time for that step; plain
-# tuples in field order cost half of that on each side (benchmarks.scheduler, "report" rows). One function
-# each way, with the field order written once, so a new field cannot be sent and silently not received.
-
-PackedOutput = tuple
-
-
-def pack_outputs(outputs: list[RequestOutput]) -> list[PackedOutput]:
-    """``outputs`` as nested tuples of builtins (which pickle encodes in C): ``unpack_outputs`` inverts it."""
-    packed = []
-    add = packed.append
-    for output in outputs:
-        m = output.metrics
-        add((output.request_id, output.prompt, output.prompt_token_ids,
-             [(c.index, c.token_ids, c.text, c.new_token_ids, c.new_text, c.finish_reason, c.stop_reason,
-               c.logprobs, c.cumulative_logprob) for c in output.outputs],
-             output.finished,
-             (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions,
-              m.predicted_ttft_s),
-             output.prompt_logprobs, output.embedding))
-    return packed
-
-
-def unpack_outputs(packed: list[PackedOutput]) -> list[RequestOutput]:
-    outputs = []
-    add = outputs.append
-    for request_id, prompt, prompt_token_ids, completions, finished, metrics, prompt_logprobs, embedding in packed:
-        add(RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*c) for c in completions],
-                          finished, RequestMetrics(*metrics), prompt_logprobs, embedding))
-    return outputs

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.block_hash import request_salt, salted_root
-from engine.outputs import FinishReason, Logprob, RequestMetrics
+from engine.outputs import FinishReason, RequestMetrics
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.sampler import TokenLogprobs
 
 _arrival_counter = itertools.count()
 
@@ -68,8 +70,7 @@ class Request:
         "request_id", "parent_id", "index", "prompt", "prompt_token_ids", "output_token_ids",
         "all_token_ids", "params", "priority", "arrival_order", "num_computed_tokens", "status",
         "finish_reason", "stop_reason", "metrics", "deadline", "max_total_tokens",
-        "eos_token_ids", "text", "sent_text_len", "sent_token_len", "decoder", "logprobs",
-        "cumulative_logprob", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
+        "eos_token_ids", "continued_text_len", "sent_token_len", "logprobs", "reports_at_end", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
         "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root",
         "spec_token_ids", "spec_state", "spec_acceptance",
     )
@@ -112,21 +113,22 @@ class Request:
         max_new = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_total_tokens = min(len(prompt_token_ids) + max_new, max_model_len)
         self.eos_token_ids = eos_token_ids
-        # Detokenization state, owned by the output processor.
-        self.text = ""
-        self.sent_text_len = 0
+        # What the core has reported of it (LLMEngine.core_step): the output tokens, the prompt's outputs (in its
+        # first report); the sampled tokens' raw logprobs wait here until reported (text is the front end's:
+        # engine.output_processor).
         self.sent_token_len = 0
-        self.decoder = None
-        self.sent_first_output = False  # delta outputs carry the prompt's fields in the first one only
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.sent_first_output = False
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.continued_text_len = 0  # characters of text a continued sequence's caller was already sent
+        # Its front end needs its tokens only at its end: it shows nothing before, and no stop string may end it.
+        self.reports_at_end = params.output_kind == "final_only" and not params.stop
         self.static_padding = False  # static mode: finished, but still holds its slot until the batch ends
         self.swapped_blocks: list[int] | None = None  # preempted by swapping: its KV's host blocks, in order
         self.aged = False  # waited max_queue_wait_s before its first admission: served first from then on
-        # Prompt outputs, filled chunk by chunk as the prompt is computed: logprobs of prompt positions
+        # Prompt outputs, filled chunk by chunk as the prompt is computed: raw logprobs of prompt positions
         # 1.. (position 0 has none, hence the leading None), and for an embedding request (``pool``, prefill-only)
         # the sum of the final-norm hidden states of the positions computed so far.
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.pool = pool
         self.pooled_sum: torch.Tensor | None = None  # [hidden] float32, on the host
@@ -141,15 +143,10 @@ class Request:
             self.output_token_ids = list(continuation.token_ids)
             self.all_token_ids.extend(continuation.token_ids)
             self.sent_token_len = len(continuation.token_ids)
-            self.sent_text_len = continuation.text_len
-            if self.logprobs is not None:
-                self.logprobs = [None] * len(continuation.token_ids)  # theirs were sent from the first engine
+            self.continued_text_len = continuation.text_len
 
     def __getstate__(self) -> dict:
-        """A request crosses to the engine's process before it runs (engine_core): without a detokenizer (built at
-        its first token)."""
-        if self.decoder is not None:
-            raise ValueError("only a request that has not run yet can cross to another process")
+        """A request crosses to the engine's process before it runs (engine_core)."""
         return {name: getattr(self, name) for name in self.__slots__ if hasattr(self, name)}
 
     def __setstate__(self, state: dict) -> None:
@@ -210,16 +207,6 @@ class Request:
             self.finish_reason = "length"
             return True
         return False
-
-    def drop_tokens_after(self, num_output_tokens: int) -> None:
-        """Keep only the first ``num_output_tokens`` output tokens (a stop string ended the request at one of
-        several tokens a speculative step emitted)."""
-        dropped = len(self.output_token_ids) - num_output_tokens
-        if dropped > 0:
-            del self.output_token_ids[num_output_tokens:]
-            del self.all_token_ids[len(self.all_token_ids) - dropped:]
-            if self.logprobs is not None:
-                del self.logprobs[num_output_tokens:]
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.value}, "

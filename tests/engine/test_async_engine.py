@@ -157,7 +157,7 @@ def test_dead_step_loop_fails_health_check_and_in_flight_requests(monkeypatch):
         def broken_step():
             raise RuntimeError("injected fault")
 
-        monkeypatch.setattr(aengine.engine, "step", broken_step)
+        monkeypatch.setattr(aengine.engine, "core_step", broken_step)
         await assert_engine_dead(aengine, stream)
         return True
 
@@ -171,7 +171,7 @@ def test_shutdown_after_the_step_loop_died_does_not_raise(monkeypatch):
         def broken_step():
             raise RuntimeError("injected fault")
 
-        monkeypatch.setattr(aengine.engine, "step", broken_step)
+        monkeypatch.setattr(aengine.engine, "core_step", broken_step)
         with pytest.raises(EngineDeadError):
             await collect(aengine, [10, 11], greedy(2))
         await aengine.shutdown()

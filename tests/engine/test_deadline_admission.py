@@ -92,14 +92,14 @@ def test_async_engine_refuses_while_a_step_is_under_way():
             known_rates(engine.engine)
             async for _ in engine.generate(random_prompts(1, 5, 5, seed=4)[0], greedy(2)):  # a view with them
                 pass
-            real_step, inside, release = engine.engine.step, threading.Event(), threading.Event()
+            real_step, inside, release = engine.engine.core_step, threading.Event(), threading.Event()
 
             def held_step():
                 inside.set()
                 release.wait(10.0)
                 return real_step()
 
-            engine.engine.step = held_step
+            engine.engine.core_step = held_step
             first = engine.submit(random_prompts(1, 110, 110, seed=5)[0], greedy(4))
             assert await asyncio.get_running_loop().run_in_executor(None, inside.wait, 10.0)
             # Submitted while the step is held: not in the engine's queue yet, so only the pending list has them.
