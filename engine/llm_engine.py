@@ -8,6 +8,8 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import attrgetter
 from typing import Any, Callable, Iterable
 
 from engine.config import EngineConfig
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 # The KV diagnosis looks at every SAMPLE_EVERY-th step, over the last DIAGNOSIS_WINDOW samples, and is
 # re-run every DIAGNOSE_EVERY steps: cheap enough for every engine, slow enough to see states, not bursts.
 SAMPLE_EVERY, DIAGNOSIS_WINDOW, DIAGNOSE_EVERY = 10, 100, 200
+_PARENT_ID, _PARAMS = attrgetter("parent_id"), attrgetter("params")
 
 
 @dataclass
@@ -447,9 +450,9 @@ class LLMEngine:
             return batch, None
         rows = scheduler.scheduled_requests()
         # Per row of every step from here: locals, and no per-row dict unless a row asked for logprobs.
-        sampled_rows = [r for r, s in zip(rows, batch.sample) if s]
+        sampled_rows = list(compress(rows, batch.sample))
         sampling = SamplingBatch(
-            params=[r.params for r in sampled_rows],
+            params=list(map(_PARAMS, sampled_rows)),
             # tokens before this one, the ones still in flight included
             num_output_tokens=[len(r.output_token_ids) + r.num_pending_tokens - 1 for r in sampled_rows],
             eos_token_ids=self.eos_token_ids,
@@ -486,8 +489,7 @@ class LLMEngine:
                 if token_logprobs is not None and request.logprobs is not None and request in got_token:
                     request.logprobs.append(token_logprobs)
                     request.logprobs.extend(result.accepted_logprobs.get(row, ()))
-        for request in advanced:
-            touched[request.parent_id] = None
+        touched.update(zip(map(_PARENT_ID, advanced), repeat(None)))  # C loops: this runs for every row
         for request in scheduler.drain_ended_without_token():  # prefill-only requests done in this step
             touched[request.parent_id] = None
         self.num_generated_tokens += len(advanced)

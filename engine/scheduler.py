@@ -205,8 +205,7 @@ class Scheduler:
         out = SchedulerOutput()
         add_id, add_input, extend_input = out.request_ids.append, out.input_token_ids.append, out.input_token_ids.extend
         add_query_len, add_start, add_sample = out.query_lens.append, out.start_positions.append, out.sample.append
-        add_padding, add_table = out.padding.append, out.block_tables.append
-        tables = self.kv.block_tables
+        add_padding = out.padding.append
         now = None
         for request, num_new in zip(requests, counts):
             start = request.num_computed_tokens
@@ -241,7 +240,7 @@ class Scheduler:
                 if metrics.first_scheduled_time is None:
                     now = now or time.time()
                     metrics.first_scheduled_time = now
-            add_table(tables[request.request_id])
+        out.block_tables = list(map(self.kv.block_tables.__getitem__, out.request_ids))  # a C loop, every row
         if self._num_with_prompt_work:
             self._add_prompt_rows(out, requests)
         if self._ended_with_state and requests:
