@@ -70,7 +70,7 @@ class Request:
         "request_id", "parent_id", "index", "prompt", "prompt_token_ids", "output_token_ids",
         "all_token_ids", "params", "priority", "arrival_order", "num_computed_tokens", "status",
         "finish_reason", "stop_reason", "metrics", "deadline", "max_total_tokens",
-        "eos_token_ids", "continued_text_len", "sent_token_len", "logprobs", "reports_at_end", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
+        "eos_token_ids", "stop_ids", "continued_text_len", "sent_token_len", "logprobs", "reports_at_end", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
         "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root",
         "spec_token_ids", "spec_state", "spec_acceptance",
     )
@@ -113,6 +113,8 @@ class Request:
         max_new = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_total_tokens = min(len(prompt_token_ids) + max_new, max_model_len)
         self.eos_token_ids = eos_token_ids
+        # every token id that can end it (eos unless ignored, its stop tokens): one membership test per token
+        self.stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else eos_token_ids)
         # What the core has reported of it (LLMEngine.core_step): the output tokens, the prompt's outputs (in its
         # first report); the sampled tokens' raw logprobs wait here until reported (text is the front end's:
         # engine.output_processor).
@@ -192,18 +194,16 @@ class Request:
         """Add a sampled token and apply the token-level stop rules; True if the request ended.
 
         One method, not two: the scheduler calls it for every row of every step."""
-        output_token_ids = self.output_token_ids
+        output_token_ids, all_token_ids = self.output_token_ids, self.all_token_ids
         output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        params = self.params
-        if len(output_token_ids) >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                self.finish_reason, self.stop_reason = "stop", None
-                return True
-            if token_id in params.stop_token_ids:
-                self.finish_reason, self.stop_reason = "stop", token_id
-                return True
-        if len(self.all_token_ids) >= self.max_total_tokens:
+        all_token_ids.append(token_id)
+        if token_id in self.stop_ids and len(output_token_ids) >= self.params.min_tokens:
+            params = self.params
+            # eos first: a token that is both reports no stop token, as before
+            self.finish_reason = "stop"
+            self.stop_reason = None if not params.ignore_eos and token_id in self.eos_token_ids else token_id
+            return True
+        if len(all_token_ids) >= self.max_total_tokens:
             self.finish_reason = "length"
             return True
         return False

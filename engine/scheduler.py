@@ -392,9 +392,9 @@ class ContinuousScheduler(Scheduler):
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted = False
-        allocate, tables, block_size = self.kv.allocate, self.kv.block_tables, self.kv.block_size
+        tables, block_size = self.kv.block_tables, self.kv.block_size
         running_status = RequestStatus.RUNNING
-        speculative, can_fit = self.speculative, self.kv.can_fit
+        speculative = self.speculative
         decoding, prefilling = [], []
         for request in self.running:
             known = len(request.all_token_ids) + request.num_pending_tokens  # pending: sampled by an in-flight step
@@ -406,38 +406,53 @@ class ContinuousScheduler(Scheduler):
             elif left > 1:
                 prefilling.append(request)
         now = time.time()
-        for request in decoding + prefilling:
+        for request in decoding:
             if request.status is not running_status or budget == 0:
                 continue  # preempted earlier in this loop
-            computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) + request.num_pending_tokens - computed
-            if speculative and num_new == 1 and request.spec_token_ids:
-                if can_fit(request.request_id, computed + 1 + len(request.spec_token_ids)):
-                    num_new += len(request.spec_token_ids)  # the budget may cut them short, below
-                else:
-                    request.spec_token_ids = ()  # no free blocks for them: decode plainly
-            if num_new > budget:
-                num_new = budget
-            table = tables.get(request.request_id)
-            if table is not None and computed + num_new <= len(table) * block_size:
-                scheduled[request] = num_new  # its blocks hold these tokens already (most decodes): no allocate
-                budget -= num_new
-                continue
-            while not allocate(request.request_id, computed + num_new):
-                victim = max(self.running, key=lambda r: self.rank(r, now))
-                budget += scheduled.pop(victim, 0)
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                scheduled[request] = num_new
-                budget -= num_new
+            if not speculative:  # most decode rows: their blocks hold a slot for the token already (no allocate)
+                table = tables.get(request.request_id)
+                if table is not None and request.num_computed_tokens < len(table) * block_size:
+                    scheduled[request] = 1
+                    budget -= 1
+                    continue
+            budget, preempted = self._take(request, scheduled, budget, now, preempted)
+        for request in prefilling:
+            if request.status is running_status and budget:  # (not preempted earlier in this loop)
+                budget, preempted = self._take(request, scheduled, budget, now, preempted)
 
         # Admitting new work right after a shortage preemption would only evict it again next step.
         if not preempted:
             self._admit(scheduled, budget, now)
         return scheduled
+
+    def _take(self, request: Request, scheduled: dict[Request, int], budget: int, now: float,
+              preempted: bool) -> tuple[int, bool]:
+        """Schedule the running ``request``'s next tokens, as many as ``budget`` allows (a decode row's proposed
+        tokens too, if their blocks are free), allocating blocks for them and preempting the lowest-ranked
+        running requests while none are free. Returns the budget left and whether anyone has been preempted."""
+        tables, block_size = self.kv.block_tables, self.kv.block_size
+        computed = request.num_computed_tokens
+        num_new = len(request.all_token_ids) + request.num_pending_tokens - computed
+        if self.speculative and num_new == 1 and request.spec_token_ids:
+            if self.kv.can_fit(request.request_id, computed + 1 + len(request.spec_token_ids)):
+                num_new += len(request.spec_token_ids)  # the budget may cut them short, below
+            else:
+                request.spec_token_ids = ()  # no free blocks for them: decode plainly
+        if num_new > budget:
+            num_new = budget
+        table = tables.get(request.request_id)
+        if table is not None and computed + num_new <= len(table) * block_size:
+            scheduled[request] = num_new  # its blocks hold these tokens already: no allocate
+            return budget - num_new, preempted
+        while not self.kv.allocate(request.request_id, computed + num_new):
+            victim = max(self.running, key=lambda r: self.rank(r, now))
+            budget += scheduled.pop(victim, 0)
+            self._preempt(victim)
+            preempted = True
+            if victim is request:
+                return budget, preempted
+        scheduled[request] = num_new
+        return budget - num_new, preempted
 
     def _admit(self, scheduled: dict[Request, int], budget: int, now: float) -> None:
         config, kv = self.config, self.kv
