@@ -257,9 +257,7 @@ def _completion(sequence: _Sequence) -> CompletionOutput:
 def _delta(sequence: _Sequence) -> CompletionOutput:
     """One sequence's new tokens, text and logprobs since the previous output; advances what has been sent."""
     finished = sequence.finish_reason is not None
-    # _visible_text_len, its usual case inline (it runs per request per step)
-    visible = max(sequence.sent_text_len, len(sequence.text)) if not sequence.stop else \
-        _visible_text_len(sequence, finished)
+    visible = _visible_text_len(sequence, finished)
     sent_tokens = sequence.sent_token_len
     new_text = sequence.text[sequence.sent_text_len:visible]
     new_tokens = sequence.token_ids[sent_tokens:]

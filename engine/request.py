@@ -70,7 +70,8 @@ class Request:
         "request_id", "parent_id", "index", "prompt", "prompt_token_ids", "output_token_ids",
         "all_token_ids", "params", "priority", "arrival_order", "num_computed_tokens", "status",
         "finish_reason", "stop_reason", "metrics", "deadline", "max_total_tokens",
-        "eos_token_ids", "stop_ids", "continued_text_len", "sent_token_len", "logprobs", "reports_at_end", "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
+        "eos_token_ids", "stop_ids", "continued_text_len", "sent_token_len", "logprobs", "reports_at_end",
+        "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
         "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root",
         "spec_token_ids", "spec_state", "spec_acceptance",
     )

@@ -391,7 +391,7 @@ class ContinuousScheduler(Scheduler):
     def _pick(self) -> dict[Request, int]:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
-        preempted = False
+        preemptions_before = self.num_preemptions
         tables, block_size = self.kv.block_tables, self.kv.block_size
         running_status = RequestStatus.RUNNING
         speculative = self.speculative
@@ -409,27 +409,26 @@ class ContinuousScheduler(Scheduler):
         for request in decoding:
             if request.status is not running_status or budget == 0:
                 continue  # preempted earlier in this loop
-            if not speculative:  # most decode rows: their blocks hold a slot for the token already (no allocate)
+            if not speculative:  # _take's first case, inline: most decode rows hold a slot for their token already
                 table = tables.get(request.request_id)
                 if table is not None and request.num_computed_tokens < len(table) * block_size:
                     scheduled[request] = 1
                     budget -= 1
                     continue
-            budget, preempted = self._take(request, scheduled, budget, now, preempted)
+            budget = self._take(request, scheduled, budget, now)
         for request in prefilling:
             if request.status is running_status and budget:  # (not preempted earlier in this loop)
-                budget, preempted = self._take(request, scheduled, budget, now, preempted)
+                budget = self._take(request, scheduled, budget, now)
 
         # Admitting new work right after a shortage preemption would only evict it again next step.
-        if not preempted:
+        if self.num_preemptions == preemptions_before:
             self._admit(scheduled, budget, now)
         return scheduled
 
-    def _take(self, request: Request, scheduled: dict[Request, int], budget: int, now: float,
-              preempted: bool) -> tuple[int, bool]:
+    def _take(self, request: Request, scheduled: dict[Request, int], budget: int, now: float) -> int:
         """Schedule the running ``request``'s next tokens, as many as ``budget`` allows (a decode row's proposed
         tokens too, if their blocks are free), allocating blocks for them and preempting the lowest-ranked
-        running requests while none are free. Returns the budget left and whether anyone has been preempted."""
+        running requests while none are free. Returns the budget left."""
         tables, block_size = self.kv.block_tables, self.kv.block_size
         computed = request.num_computed_tokens
         num_new = len(request.all_token_ids) + request.num_pending_tokens - computed
@@ -443,16 +442,15 @@ class ContinuousScheduler(Scheduler):
         table = tables.get(request.request_id)
         if table is not None and computed + num_new <= len(table) * block_size:
             scheduled[request] = num_new  # its blocks hold these tokens already: no allocate
-            return budget - num_new, preempted
+            return budget - num_new
         while not self.kv.allocate(request.request_id, computed + num_new):
             victim = max(self.running, key=lambda r: self.rank(r, now))
             budget += scheduled.pop(victim, 0)
             self._preempt(victim)
-            preempted = True
             if victim is request:
-                return budget, preempted
+                return budget
         scheduled[request] = num_new
-        return budget - num_new, preempted
+        return budget - num_new
 
     def _admit(self, scheduled: dict[Request, int], budget: int, now: float) -> None:
         config, kv = self.config, self.kv
