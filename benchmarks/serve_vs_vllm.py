@@ -6,6 +6,8 @@ batch slots, 2,048 tokens per step, ``max_model_len`` 2,048, float32, one comput
 engine process on CPU 0, Ray's processes on the others. vLLM's is ``benchmarks/peers/vllm_serve.py`` (port
 8001), twice: with its defaults (``vllm``: its compute thread bound by ``VLLM_CPU_OMP_THREADS_BIND=auto``),
 and placed as ours (``vllm-isolated``: compute thread on CPU 0, the server under ``taskset`` on the others).
+``ours-direct`` is ours with Serve's direct ingress (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``, README): the client
+talks to the router replica's own HTTP port, without the proxy's hop.
 The client always runs on the CPUs other than 0. One server at a time, alternating, each started
 afresh for its turn; per turn, with ``vllm bench serve`` (random dataset, prompts of 50-800 tokens, outputs
 of 20-200 with ``ignore_eos``, greedy):
@@ -45,7 +47,10 @@ from serve_app.ray_env import apply as apply_serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "benchmarks" / "peers"
-PORTS = {"ours": 8000, "vllm": 8001, "vllm-isolated": 8001}
+# ours-direct: ours with Serve's direct ingress, the client talking to the router's own HTTP port (the first
+# ingress replica's: RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, 30000 by default) instead of the proxy's
+DIRECT_INGRESS_PORT = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
+PORTS = {"ours": 8000, "ours-direct": DIRECT_INGRESS_PORT, "vllm": 8001, "vllm-isolated": 8001}
 ENGINE_CPU = 0  # ours: configs/bench-vs-vllm.yaml's engine_cpus; vLLM isolated: its compute thread's core
 
 
@@ -61,11 +66,13 @@ METRICS = ("completed", "failed", "output_throughput", "mean_e2el_ms", "median_e
            "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "duration")
 
 
-def start_ours(checkpoint: Path, log) -> subprocess.Popen:
+def start_ours(checkpoint: Path, log, direct_ingress: bool = False) -> subprocess.Popen:
     config = Path(tempfile.mkstemp(prefix="bench-vs-vllm-", suffix=".yaml")[1])
     config.write_text((ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint)))
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
+    if direct_ingress:
+        env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     apply_serve_env(env)
     return subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), str(config)], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -136,7 +143,7 @@ def load_average() -> float:
 
 def one_turn(system: str, args, peer_python: str, checkpoint: Path, workdir: Path, round_index: int) -> dict:
     log = open(workdir / f"{system}-{round_index}.log", "w")
-    server = (start_ours(checkpoint, log) if system == "ours"
+    server = (start_ours(checkpoint, log, direct_ingress=system == "ours-direct") if system.startswith("ours")
               else start_vllm(peer_python, args.vllm_threads_bind, system == "vllm-isolated", log))
     port = PORTS[system]
     try:
@@ -162,19 +169,21 @@ def ratios(turns: list[dict]) -> dict[str, float]:
         values = [t[part][key] for t in turns if t["system"] == system]
         return sum(values) / len(values)
 
-    peers = sorted({t["system"] for t in turns} - {"ours"})
-    return {f"{peer}: {part}.{key}": mean("ours", part, key) / mean(peer, part, key) for peer in peers
+    systems = {t["system"] for t in turns}
+    peers = sorted(s for s in systems if not s.startswith("ours"))
+    return {f"{ours} / {peer}: {part}.{key}": mean(ours, part, key) / mean(peer, part, key)
+            for ours in sorted(systems - set(peers)) for peer in peers
             for part, key in (("concurrent", "output_throughput"), ("concurrent", "mean_e2el_ms"),
                               ("one_stream", "median_ttft_ms"), ("one_stream", "median_tpot_ms"))}
 
 
 def print_table(turns: list[dict]) -> None:
-    print(f"{'system':6} {'round':>5} {'part':10} {'ok':>4} {'failed':>6} {'out tok/s':>9} {'e2e mean':>9} "
+    print(f"{'system':13} {'round':>5} {'part':10} {'ok':>4} {'failed':>6} {'out tok/s':>9} {'e2e mean':>9} "
           f"{'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>8} {'load':>11}")
     for turn in turns:
         for part in ("concurrent", "one_stream"):
             r = turn[part]
-            print(f"{turn['system']:6} {turn['round']:>5} {part:10} {r['completed']:>4} {r['failed']:>6} "
+            print(f"{turn['system']:13} {turn['round']:>5} {part:10} {r['completed']:>4} {r['failed']:>6} "
                   f"{r['output_throughput']:>9.1f} {r['mean_e2el_ms']:>9.0f} {r['median_ttft_ms']:>9.1f} "
                   f"{r['median_tpot_ms']:>9.2f} {r['median_itl_ms']:>8.1f} "
                   f"{turn['load_start']:>5.2f}->{turn['load_end']:<5.2f}")
@@ -188,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--one-stream-prompts", type=int, default=16)
     parser.add_argument("--systems", default="ours,vllm,vllm-isolated",
-                        help="which servers, in the first round's order: ours, vllm (its defaults, --vllm-threads-bind), "
+                        help="which servers, in the first round's order: ours, ours-direct (ours with Serve's direct "
+                             "ingress: the client on the router's own port, no proxy hop), vllm (its defaults, --vllm-threads-bind), "
                              "vllm-isolated (its compute thread alone on CPU 0, as ours, the rest on the other CPUs)")
     parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python")
     parser.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core)")
@@ -216,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"at {args.concurrency} concurrent", flush=True)
     print_table(turns)
     summary = {"turns": turns, "workdir": str(workdir)}
-    if "ours" in systems and len(systems) > 1:
+    if any(s.startswith("ours") for s in systems) and any(not s.startswith("ours") for s in systems):
         summary["ours_over_vllm"] = ratios(turns)
         for key, value in summary["ours_over_vllm"].items():
-            print(f"ours / vLLM {key}: {value:.3f}")
+            print(f"{key}: {value:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0
