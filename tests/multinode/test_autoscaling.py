@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.multinode.cluster import HTTP_BASE, REPLICA_ARGS
-from tests.serving.apps import deploy_app
+from tests.serving.apps import delete_app, deploy_app
 from tests.serving.helpers import MODEL, wait_for_stats, wait_idle
 
 APP_NAME = "autoscaled"
@@ -33,11 +34,12 @@ NUM_CLIENTS = 12
 
 
 @pytest.fixture(scope="module")
-def app(cluster) -> str:
+def app(cluster) -> Iterator[str]:
     base = deploy_app({**REPLICA_ARGS, "autoscaling_config": AUTOSCALING}, name=APP_NAME, route_prefix="/",
                       http_base=HTTP_BASE)
     wait_idle(base, timeout=30, num_replicas=1)
-    return base
+    yield base
+    delete_app(APP_NAME)  # the package's cluster serves the next module's app at the same route
 
 
 class SustainedLoad:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.multinode.cluster import HTTP_BASE, REPLICA_ARGS, wait_until
-from tests.serving.apps import deploy_app
+from tests.serving.apps import delete_app, deploy_app
 from tests.serving.helpers import MODEL, SSEStream, get_stats, parse_sse, wait_for_stats, wait_idle
 
 APP_NAME = "nodes"
@@ -22,10 +23,11 @@ MAX_NUM_SEQS = REPLICA_ARGS["engine_args"]["max_num_seqs"]
 
 
 @pytest.fixture(scope="module")
-def app(cluster) -> str:
+def app(cluster) -> Iterator[str]:
     base = deploy_app({**REPLICA_ARGS, "num_replicas": 2}, name=APP_NAME, route_prefix="/", http_base=HTTP_BASE)
     wait_for_stats(lambda s: len(s["replicas"]) == 2, base_url=base, timeout=30, what="2 replicas")
-    return base
+    yield base
+    delete_app(APP_NAME)  # the package's cluster serves the next module's app at the same route
 
 
 def _nodes(stats) -> list[str]:
