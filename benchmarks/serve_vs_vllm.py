@@ -41,7 +41,7 @@ import httpx
 
 from benchmarks.vllm_baseline import resolve_peer_python
 from benchmarks.workloads import MODEL_NAME, add_sampling_args, build_checkpoint, check_sampling_args
-from engine.engine_core import format_cpu_list
+from engine.cpu_list import format_cpu_list
 from serve_app.cpu_plan import cpus_left
 from serve_app.ray_env import apply as apply_serve_env
 

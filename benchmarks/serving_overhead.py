@@ -27,7 +27,7 @@ from tqdm import tqdm
 from benchmarks.no_work_engine import STEP_S
 from benchmarks.openai_client import stream_completion
 from benchmarks.report import format_table, write_json
-from engine.engine_core import parse_cpu_list
+from engine.cpu_list import parse_cpu_list
 
 ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
 BASE_URL = "http://127.0.0.1:8000"

@@ -17,7 +17,8 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from engine.engine_core import EngineCoreProcess, StepReport, StepThread, parse_cpu_list
+from engine.cpu_list import parse_cpu_list
+from engine.engine_core import EngineCoreProcess, StepReport, StepThread
 from engine.llm_engine import LLMEngine
 from engine.models.loader import read_model_source
 from engine.output_processor import CoreRecord, OutputProcessor

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
-from engine.engine_core import parse_cpu_list
+from engine.cpu_list import parse_cpu_list
 from serve_app.admission import TenantLimits
 from serve_app.autoscaling import POLICY_PATH, LLMLoadPolicy
 

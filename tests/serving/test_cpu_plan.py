@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine_core import format_cpu_list, parse_cpu_list
+from engine.cpu_list import format_cpu_list, parse_cpu_list
 from serve_app.config import AppConfig
 from serve_app.cpu_plan import serving_cpus
 
