@@ -15,18 +15,20 @@ import asyncio
 import itertools
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from engine.cpu_list import parse_cpu_list
 from engine.engine_core import EngineCoreProcess, StepReport, StepThread
-from engine.llm_engine import LLMEngine
-from engine.models.loader import read_model_source
+from engine.models.source import read_model_source
 from engine.output_processor import CoreRecord, OutputProcessor
 from engine.outputs import DeadlineUnmeetableError, RequestOutput
 from engine.request import Continuation, Request
 from engine.request_maker import PromptInput, RequestMaker
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.ttft_predictor import QueueView, check_deadline, predicts_for
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 
 
@@ -84,7 +86,11 @@ class AsyncLLMEngine:
             self._maker = RequestMaker(self.tokenizer, source.config.vocab_size, source.eos_token_ids,
                                        self.max_model_len, info["max_model_len_note"])
         else:
-            self.engine = engine if engine is not None else LLMEngine(model, **engine_args)
+            if engine is None:
+                from engine.llm_engine import LLMEngine  # here: with the engine in its own process, this one needs no torch
+
+                engine = LLMEngine(model, **engine_args)
+            self.engine = engine
             self.tokenizer, self.config, self.max_model_len = (self.engine.tokenizer, self.engine.config,
                                                                self.engine.max_model_len)
             self._stats = self.engine.stats()

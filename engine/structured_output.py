@@ -23,11 +23,12 @@ import json
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.request_state import PerRequestState
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_BYTES = 64 << 20  # compiled grammars kept per compiler; beyond it the least recently used go
@@ -121,6 +122,8 @@ class GrammarCompiler:
         # only has as several byte tokens cannot be generated inside a JSON constraint).
         banned = [_not_json_text(token) for token in self.info.decoded_vocab]
         banned += [False] * (vocab_size - len(banned))
+        import torch  # here, not at the top: a server's processes make requests without torch
+
         self.not_json_tokens = torch.tensor(banned[:vocab_size], dtype=torch.bool)
         for token_id in stop_token_ids:  # special tokens decode to nothing or to markup: never banned here
             if token_id < vocab_size:
@@ -182,6 +185,8 @@ class Constraints(PerRequestState[Any]):
         bitmask = xgr.allocate_token_bitmask(len(live), self._compiler.info.vocab_size)
         for j, (_, matcher) in enumerate(live):
             matcher.fill_next_token_bitmask(bitmask, j)
+        import torch  # loaded already (the logits are torch's): a lookup
+
         index = torch.tensor([i for i, _ in live], device=logits.device)
         rows_logits = logits.index_select(0, index).float()
         xgr.apply_token_bitmask_inplace(rows_logits, bitmask.to(logits.device))

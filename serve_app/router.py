@@ -41,7 +41,7 @@ from serve_app.config import RouterConfig
 from serve_app.errors import (ERROR_BODY_SCHEMA, ERROR_STATUSES, APIError, BadRequestError, ModelNotFoundError,
                               OverloadedError, RequestTimeoutError, ServerError, ServiceUnavailableError)
 from serve_app.metrics import RouterMetrics
-from engine.models.loader import read_model_source
+from engine.models.source import read_model_source
 from serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
 from serve_app.tools import template_tools
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,

@@ -8,14 +8,16 @@ the engine and the server, not to say anything. Point ``model`` at a real checkp
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
-import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from engine.models.config import ModelConfig
-from engine.models.llama import CausalLM
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.models.llama import CausalLM
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -51,21 +53,23 @@ def model_config() -> ModelConfig:
 
 
 def source():
-    from engine.models.loader import DEMO_TINY, ModelSource
+    from engine.models.source import DEMO_TINY, ModelSource
 
     tokenizer = build_tokenizer()
     return ModelSource(DEMO_TINY, model_config(), tokenizer, frozenset({tokenizer.eos_token_id}))
 
 
-@torch.no_grad()
 def init_weights(model: CausalLM) -> None:
     """Deterministic random weights: the same on every machine, whatever the device or dtype."""
+    import torch  # here: the tokenizer and config above serve processes that never load the model
+
     generator = torch.Generator().manual_seed(WEIGHT_SEED)
-    for name, param in sorted(model.named_parameters()):
-        if name.endswith("norm.weight"):
-            value = torch.ones(param.shape)
-        elif name.endswith("embed_tokens.weight"):
-            value = torch.randn(param.shape, generator=generator)
-        else:
-            value = torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5
-        param.copy_(value.to(param.dtype))
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                value = torch.ones(param.shape)
+            elif name.endswith("embed_tokens.weight"):
+                value = torch.randn(param.shape, generator=generator)
+            else:
+                value = torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5
+            param.copy_(value.to(param.dtype))

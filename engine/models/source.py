@@ -1,0 +1,51 @@
+"""What is known about a model before its weights are read: its config, tokenizer and end-of-sequence ids.
+
+Apart from the loader (``engine.models.loader``, which builds the module and reads weights with torch), so that a
+server's processes that only tokenize and route (the router, the replica's front end) never import torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.models.config import ModelConfig
+from engine.tokenizer import Tokenizer
+
+DEMO_TINY = "demo-tiny"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What is known about a model before its weights are read."""
+
+    name: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+
+
+def read_model_source(name_or_path: str) -> ModelSource:
+    if name_or_path == DEMO_TINY:
+        from engine.models import demo_tiny
+
+        return demo_tiny.source()
+    path = Path(name_or_path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"model must be 'demo-tiny' or a directory with config.json, got {name_or_path!r}")
+    hf_config = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf(hf_config)
+    tokenizer = Tokenizer.from_dir(path)
+    eos = set(_as_list(hf_config.get("eos_token_id")))
+    if (path / "generation_config.json").exists():
+        eos |= set(_as_list(json.loads((path / "generation_config.json").read_text()).get("eos_token_id")))
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return ModelSource(str(path), config, tokenizer, frozenset(eos))
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
