@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 
-
 class RequestStream:
     """A queued request: its id, its prompt's token ids, and the async iterator of its outputs."""
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from engine.config import EngineConfig
 from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
-from engine.models.loader import read_model_source
+from engine.models.source import read_model_source
 from engine.model_runner import ModelRunner, PromptOutput, RunnerOutput, SharedBudget, resolve_device, resolve_dtype
 from engine.output_processor import CoreRecord, OutputProcessor
 from engine.outputs import RequestOutput

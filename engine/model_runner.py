@@ -18,7 +18,8 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.cpu_packing import pack_linear_weights
 from engine.models.llama import CausalLM
-from engine.models.loader import ModelSource, build_model
+from engine.models.loader import build_model
+from engine.models.source import ModelSource
 from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from engine.structured_output import GrammarCompiler
 from engine.scheduler_output import PrefillBatch, PromptRow, SchedulerOutput

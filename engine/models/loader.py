@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.models.source import DEMO_TINY, ModelSource, read_model_source  # noqa: F401 (re-exported)
+from engine.models.source import DEMO_TINY, ModelSource
 from engine.models.llama import CausalLM
 from kernels import AttentionBackend
 

@@ -20,7 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from engine.block_pool import KVCacheManager
-from engine.models.loader import read_model_source
+from engine.models.source import read_model_source
 from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerOutput

@@ -330,7 +330,7 @@ def test_bad_speculative_settings_are_refused(spec, overrides, message):
 
 def test_a_draft_takes_its_kv_from_the_same_budget(checkpoint):
     """Sized in bytes, the target's blocks and the draft's (as many) fit the one budget together."""
-    from engine.models.loader import read_model_source
+    from engine.models.source import read_model_source
 
     path = checkpoint("llama")
     budget = 1 << 20
@@ -348,7 +348,7 @@ def test_a_draft_takes_its_kv_from_the_same_budget(checkpoint):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_parameter_count_matches_the_model(checkpoint, arch):
     """What the budget sets aside for a draft's weights on a GPU: ModelConfig.num_parameters, exactly."""
-    from engine.models.loader import read_model_source
+    from engine.models.source import read_model_source
 
     path = checkpoint(arch)
     engine = make_engine(path)
