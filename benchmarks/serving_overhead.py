@@ -97,7 +97,8 @@ async def http_run(streams: list[list[list[int]]], max_tokens: int,
     return [r.ttft_s for r in results if r.ok], sum(r.num_tokens for r in results) / wall, errors
 
 
-def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, engine_cpus: str | None = None) -> None:
+def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, engine_cpus: str | None = None,
+                 stream_channel: bool = True) -> None:
     """The demo config's deployments (access logs off, as configs/demo.yaml has them) on port 8000. With
     ``engine_cpus``, as ``make run`` serves configs/demo.yaml: the replica's engine process on those CPUs,
     and this process, so Ray and everything it starts (and the load generator), on the others."""
@@ -118,7 +119,8 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     serve.start(http_options={"host": "127.0.0.1", "port": 8000}, logging_config={"enable_access_log": False})
     extra = {"max_messages_per_s": max_messages_per_s} if max_messages_per_s else {}
     config = AppConfig(model="demo-tiny", engine_args={**ENGINE_ARGS, "num_threads": threads},
-                       max_pending_requests=512, max_queued_requests_per_replica=256, engine_cpus=engine_cpus, **extra)
+                       max_pending_requests=512, max_queued_requests_per_replica=256, engine_cpus=engine_cpus,
+                       stream_channel=stream_channel, **extra)
     engine_cls = None
     if no_work:
         from benchmarks.bare_serve import bare_serve_app
@@ -143,6 +145,8 @@ def main() -> None:
     parser.add_argument("--engine-cpus", default="", help="CPUs for the replica's engine process, Ray on the others "
                         "(as `make run` serves a config with engine_cpus); default: everything shares every CPU, as "
                         "configs/demo.yaml")
+    parser.add_argument("--stream-channel", choices=("on", "off"), default="on", help="tokens from the replica to "
+                        "the router on the stream channel (the app's default) or as items of Serve's calls")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
 
@@ -172,7 +176,8 @@ def main() -> None:
             (e1, _), (e64, e64_tps) = asyncio.run(direct())
             offline = offline_tokens_per_s(many, args.max_tokens, args.threads)
             bar.update()
-        start_server(args.threads, not real, args.max_messages_per_s, (args.engine_cpus or None) if real else None)
+        start_server(args.threads, not real, args.max_messages_per_s, (args.engine_cpus or None) if real else None,
+                     args.stream_channel == "on")
         asyncio.run(http_run([single[0][:2]], 4))  # warm-up
         if real:
             h1, _, err1 = asyncio.run(http_run(single, args.max_tokens))

@@ -26,6 +26,7 @@ class RouterConfig(BaseModel):
     body_timeout_s: float = Field(default=30.0, gt=0)  # serve_app.gate: a body not received whole by then is a 408
     tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
     default_tenant_limits: TenantLimits | None = None
+    stream_channel: bool = True  # serve_app.stream_channel
 
 
 class AppConfig(BaseModel):
@@ -79,6 +80,11 @@ class AppConfig(BaseModel):
     # A request body not received whole within this many seconds (a client trickling it) is answered 408 and
     # its connection closed (serve_app.gate); the body is read before admission, so it never holds a slot.
     body_timeout_s: float = Field(default=30.0, gt=0)
+    # Replicas send a request's tokens to its router on a TCP connection of their own (serve_app.stream_channel)
+    # rather than as items of the Serve call, which then carries only the acknowledgement and the end: a Ray
+    # message per item costs CPU the engine needs, and the first token a hop. The router listens on its node's
+    # address, on a port the OS picks (open it between the Ray pods, as Ray's own ports). false: all through Serve.
+    stream_channel: bool = True
 
     @field_validator("api_keys_file")
     @classmethod
@@ -125,7 +131,8 @@ class AppConfig(BaseModel):
                             default_timeout_s=self.default_timeout_s, max_attempts=self.max_attempts,
                             max_migrations=self.max_migrations,
                             api_keys_file=self.api_keys_file, tenant_limits=self.tenant_limits,
-                            default_tenant_limits=self.default_tenant_limits, body_timeout_s=self.body_timeout_s)
+                            default_tenant_limits=self.default_tenant_limits, body_timeout_s=self.body_timeout_s,
+                            stream_channel=self.stream_channel)
 
 
 def with_llm_policy(autoscaling_config: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from serve_app.errors import (APIError, BadRequestError, OverloadedError, Reques
                               ServiceUnavailableError, param_of_value_error)
 from serve_app.metrics import ReplicaMetrics
 from serve_app.responses import pack_embedding
+from serve_app.stream_channel import StreamOutbox
 
 logger = logging.getLogger("ray.serve")
 
@@ -60,6 +61,7 @@ class LLMReplica:
             self.replica_id = "local"
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self._stats_task: asyncio.Task | None = None
+        self.outbox = StreamOutbox()
 
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -85,6 +87,12 @@ class LLMReplica:
         num_prompt_tokens = len(stream.prompt_token_ids)
         self.metrics.prompt_tokens.inc(max(1, num_prompt_tokens * params.n))
         started = {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
+        route = request.get("route")  # the router's stream channel: chunks go there, not through this call
+        channel = None
+        if route is not None:
+            channel = self.outbox.connection(route)
+            yield started  # the acknowledgement at once; this call then only ends (or fails) with the request
+            started = None
         num_generated = 0
         echo = self._echo(request, stream.prompt_token_ids, params) if request.get("echo") else None
         held: dict[str, Any] | None = None
@@ -96,12 +104,17 @@ class LLMReplica:
                 held = _merge_chunks(held, self._chunk(output, params.logprobs or 0, echo))
                 now = time.monotonic()
                 if output.finished or now - last_sent >= self.num_streams / self.max_messages_per_s:
-                    if started is not None:
-                        held, started = {**started, **held}, None
-                    yield held
+                    if channel is not None:
+                        channel.send(route["key"], held)
+                    else:
+                        if started is not None:
+                            held, started = {**started, **held}, None
+                        yield held
                     held, last_sent = None, now
                 if output.finished:
                     self._on_finished(output, num_generated)
+            if channel is not None:
+                await channel.drain()  # every chunk is on its way before the call reports the end
         except DeadlineUnmeetableError as e:  # refused at admission (before any output): a late first token predicted
             yield self._refuse_unmeetable(e)
         finally:

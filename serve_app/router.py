@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+import ray
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -43,14 +44,22 @@ from serve_app.errors import (ERROR_BODY_SCHEMA, ERROR_STATUSES, APIError, BadRe
 from serve_app.metrics import RouterMetrics
 from engine.models.source import read_model_source
 from serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
+from serve_app.stream_channel import StreamInbox
 from serve_app.tools import template_tools
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                TokenizeRequest)
 
 logger = logging.getLogger("ray.serve")
 
-REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 DEADLINE_GRACE_S = 2.0  # the engine ends a late request itself; the router steps in only after this
+CHANNEL_GRACE_S = 10.0  # a replica's call ended but its last chunks have not come this long after: lost
+
+
+class StreamLost(ConnectionError):
+    """A replica's call ended but the chunks it sent on the stream channel never came (a connection cut)."""
+
+
+REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError, StreamLost)
 
 api = FastAPI(title="inflight", docs_url="/docs")
 api.add_middleware(Gate)  # header and body bounds, API keys: before any route (serve_app/gate.py)
@@ -160,8 +169,90 @@ class _Progress:
                 "client_timeout": False, "continue_from": continue_from}
 
 
+class _End:
+    """In a stream's queue: its Serve call ended, with an error, a last message (a refusal) or neither."""
+    __slots__ = ("error", "message")
+
+    def __init__(self, error: BaseException | None, message: dict[str, Any] | None) -> None:
+        self.error, self.message = error, message
+
+
+async def _end_of(response) -> dict[str, Any] | None:
+    try:
+        return await response.__anext__()  # a message after the acknowledgement is a refusal
+    except StopAsyncIteration:
+        return None
+
+
+class _ChannelStream:
+    """One attempt's chunks when they come on the stream channel (``serve_app.stream_channel``).
+
+    The Serve call is made as without the channel, with the route added: its first message is the replica's
+    acknowledgement (or refusal); it then ends when the request ends, or fails when the replica is lost, and
+    that end is put in the chunks' queue behind them. ``cancel`` cancels the call (which aborts the request
+    in the engine), as for a plain call's generator."""
+
+    def __init__(self, replicas: DeploymentHandle, inbox: StreamInbox, request: dict[str, Any]) -> None:
+        self.inbox = inbox
+        self.route, self.queue = inbox.open()
+        self.response = replicas.generate.remote({**request, "route": self.route})
+        self.end: asyncio.Future | None = None
+        self.call_ended = False
+        self.finished = False
+
+    def __aiter__(self) -> "_ChannelStream":
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        try:
+            if self.end is None:  # the first message: the acknowledgement and the first tokens
+                ack = await self.response.__anext__()
+                if "error" in ack:
+                    self.inbox.close(self.route)
+                    return ack
+                self.end = asyncio.ensure_future(_end_of(self.response))
+                self.end.add_done_callback(self._on_end)
+                return {**ack, **await self._next()}
+            if self.finished:
+                raise StopAsyncIteration
+            return await self._next()
+        except BaseException:
+            self.inbox.close(self.route)
+            raise
+
+    async def _next(self) -> dict[str, Any]:
+        item = await (asyncio.wait_for(self.queue.get(), CHANNEL_GRACE_S) if self.call_ended else self.queue.get())
+        if type(item) is _End:
+            if item.error is not None:
+                raise item.error
+            if item.message is not None:  # a refusal after the acknowledgement (an unmeetable deadline)
+                return item.message
+            self.call_ended = True  # its chunks were sent before it ended: they are here or close behind
+            try:
+                item = await asyncio.wait_for(self.queue.get(), CHANNEL_GRACE_S)
+            except asyncio.TimeoutError:
+                raise StreamLost("the replica's last tokens never arrived") from None
+        if item["finished"]:
+            self.finished = True
+            self.inbox.close(self.route)
+        return item
+
+    def _on_end(self, end: asyncio.Future) -> None:
+        if not end.cancelled():
+            error = end.exception()
+            self.queue.put_nowait(_End(error, None if error is not None else end.result()))
+
+    def cancel(self) -> None:
+        self.response.cancel()
+        if self.end is not None:
+            self.end.cancel()
+        self.inbox.close(self.route)
+
+
 def _lost_reason(error: BaseException) -> str:
     """What a client is told about a lost replica: the kind of failure, not Ray's repr (RPC codes, raw ids)."""
+    if isinstance(error, StreamLost):
+        return "its replica's connection to this router was cut"
     if isinstance(error, ActorUnavailableError):
         return "its replica became unreachable (its process or node went away)"
     return "its replica died (its process or node went away)"
@@ -236,6 +327,7 @@ class Router:
         self.tenants = TenantLimiter(config.tenant_limits, config.default_tenant_limits)
         self.metrics = RouterMetrics()
         self.created = int(time.time())
+        self.inbox = StreamInbox(ray.util.get_node_ip_address()) if config.stream_channel else None
         # Prefix affinity routes by the engine's own block hashes (engine.block_hash), so the router tokenizes:
         # the replica then takes the token ids as they are. The model's files must be readable here.
         self.tokenizer = (read_model_source(config.model).tokenizer if config.routing_policy == "prefix_affinity"
@@ -274,7 +366,10 @@ class Router:
         replicas = [r for r in results if isinstance(r, dict)]
         return {"replicas": sorted(replicas, key=lambda s: s["replica_id"]),
                 "router": {"in_flight": self.admission.in_flight, "max_pending_requests": self.admission.max_in_flight,
-                           "num_rejected": self.admission.num_rejected}}
+                           "num_rejected": self.admission.num_rejected,
+                           # where replicas send tokens, and how many streams it expects now (0 when idle)
+                           "stream_channel": None if self.inbox is None else
+                           {"host": self.inbox.host, "port": self.inbox.port, "open_streams": self.inbox.num_open}}}
 
     @api.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
@@ -457,10 +552,17 @@ class Router:
         return payloads
 
     async def _open(self, payload: dict[str, Any], deadline: float):
-        """Start the request on some replica; returns (response generator, first message)."""
-        def stream(request: dict[str, Any]):
-            gen = self.replicas.generate.remote(request)
-            return gen, gen.__anext__()
+        """Start the request on some replica; returns (its chunks, an async iterator with ``cancel``; the first)."""
+        if self.inbox is not None:
+            await self.inbox.start()
+
+            def stream(request: dict[str, Any]):
+                chunks = _ChannelStream(self.replicas, self.inbox, request)
+                return chunks, chunks.__anext__()
+        else:
+            def stream(request: dict[str, Any]):
+                gen = self.replicas.generate.remote(request)
+                return gen, gen.__anext__()
 
         return await self._first_answer(payload, deadline, stream)
 

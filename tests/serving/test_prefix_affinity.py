@@ -23,6 +23,8 @@ ARGS = {
     "num_cpus_per_replica": 0.5,
     "routing_policy": "prefix_affinity",
     "routing_stats_period_s": 0.2,
+    # Tokens through the Serve calls themselves (no stream channel): this app keeps that path tested.
+    "stream_channel": False,
 }
 
 
