@@ -3,10 +3,12 @@
 The engine class is injected (``engine_cls``) so tests and other engines can stand in. Messages are
 plain dicts, never tensors: chunks of new tokens, the first of them also saying ``"started"`` with the
 prompt's length, or a single ``{"error": ...}`` when the request is refused. (The first tokens and
-the acknowledgement travel in one message: one Ray round trip less before the first token.)
+the acknowledgement travel in one message: one round trip less before the first token.) When the
+request brings a ``route``, the messages go on the router's stream channel (``serve_app.stream_channel``)
+and the call yields nothing: it ends when they have all been sent, or fails when the replica is lost.
 
-Messages through Ray Serve cost CPU that the engine shares (a few thousand per second is all two
-cores give), so the replica paces them: the first tokens go at once (time to first token is
+Messages cost CPU that the engine shares (through Ray Serve a few thousand per second is all two
+cores give; on the channel each chunk still becomes an SSE event that the proxy relays), so the replica paces them: the first tokens go at once (time to first token is
 untouched), then a request's tokens are gathered for ``active streams / max_messages_per_s``
 seconds, so the replica as a whole sends about ``max_messages_per_s`` messages whatever the load:
 one token per message with a single stream, several with many. Leaving the stream early aborts the request in the engine,
@@ -65,6 +67,23 @@ class LLMReplica:
 
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The request's messages: as this call's items, or, when it brings a ``route``, on the router's stream
+        channel, the call then yielding nothing and ending when the last of them is on its way."""
+        messages = self._messages(request)
+        route = request.get("route")
+        if route is None:
+            async for message in messages:
+                yield message
+            return
+        channel, key = self.outbox.connection(route), route["key"]
+        try:
+            async for message in messages:
+                channel.send(key, message)
+            await channel.drain()
+        finally:
+            await messages.aclose()
+
+    async def _messages(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self._ensure_stats_task()
         # A request continued from a lost replica was admitted once: it is not refused for a full queue here.
         refusal = None if "continue_from" in request else self._refuse_if_full(self.engine.stats()["num_waiting"])
@@ -87,12 +106,6 @@ class LLMReplica:
         num_prompt_tokens = len(stream.prompt_token_ids)
         self.metrics.prompt_tokens.inc(max(1, num_prompt_tokens * params.n))
         started = {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
-        route = request.get("route")  # the router's stream channel: chunks go there, not through this call
-        channel = None
-        if route is not None:
-            channel = self.outbox.connection(route)
-            yield started  # the acknowledgement at once; this call then only ends (or fails) with the request
-            started = None
         num_generated = 0
         echo = self._echo(request, stream.prompt_token_ids, params) if request.get("echo") else None
         held: dict[str, Any] | None = None
@@ -104,17 +117,12 @@ class LLMReplica:
                 held = _merge_chunks(held, self._chunk(output, params.logprobs or 0, echo))
                 now = time.monotonic()
                 if output.finished or now - last_sent >= self.num_streams / self.max_messages_per_s:
-                    if channel is not None:
-                        channel.send(route["key"], held)
-                    else:
-                        if started is not None:
-                            held, started = {**started, **held}, None
-                        yield held
+                    if started is not None:
+                        held, started = {**started, **held}, None
+                    yield held
                     held, last_sent = None, now
                 if output.finished:
                     self._on_finished(output, num_generated)
-            if channel is not None:
-                await channel.drain()  # every chunk is on its way before the call reports the end
         except DeadlineUnmeetableError as e:  # refused at admission (before any output): a late first token predicted
             yield self._refuse_unmeetable(e)
         finally:

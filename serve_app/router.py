@@ -3,7 +3,10 @@
 A request's path: parse and validate (400 with OpenAI's error body), check the model (404), take an
 admission slot or answer 429 with Retry-After, then open a stream to a replica through the handle
 (the request router picks which). The replica's first message says the request is queued (or why
-not); after that the router relays chunks as SSE or gathers them into one JSON body. A replica
+not); after that the router relays chunks as SSE or gathers them into one JSON body. The chunks come
+on the stream channel (``serve_app.stream_channel``, ``_ChannelStream``) while the handle call stays
+open to say when the request ended or its replica was lost (or, with ``stream_channel: false``, as the
+call's own items). A replica
 that dies before it answered is retried elsewhere (``max_attempts``); one that dies (or is drained)
 mid-generation costs the client nothing: the router keeps what it relayed of each choice (its token
 ids and text) and continues the request on another replica from there (``max_migrations``), on the
@@ -170,7 +173,7 @@ class _Progress:
 
 
 class _End:
-    """In a stream's queue: its Serve call ended, with an error, a last message (a refusal) or neither."""
+    """In a stream's queue: its Serve call ended, with an error, a message of its own, or neither."""
     __slots__ = ("error", "message")
 
     def __init__(self, error: BaseException | None, message: dict[str, Any] | None) -> None:
@@ -179,24 +182,25 @@ class _End:
 
 async def _end_of(response) -> dict[str, Any] | None:
     try:
-        return await response.__anext__()  # a message after the acknowledgement is a refusal
+        return await response.__anext__()
     except StopAsyncIteration:
         return None
 
 
 class _ChannelStream:
-    """One attempt's chunks when they come on the stream channel (``serve_app.stream_channel``).
+    """One attempt's messages when they come on the stream channel (``serve_app.stream_channel``).
 
-    The Serve call is made as without the channel, with the route added: its first message is the replica's
-    acknowledgement (or refusal); it then ends when the request ends, or fails when the replica is lost, and
-    that end is put in the chunks' queue behind them. ``cancel`` cancels the call (which aborts the request
-    in the engine), as for a plain call's generator."""
+    The Serve call is made as without the channel, with the route added; it yields nothing, and ends when
+    the replica has sent the request's last message, or fails when the replica is lost: that end is queued
+    behind the messages it followed. ``cancel`` cancels the call (which aborts the request in the engine),
+    as for a plain call's generator."""
 
     def __init__(self, replicas: DeploymentHandle, inbox: StreamInbox, request: dict[str, Any]) -> None:
         self.inbox = inbox
         self.route, self.queue = inbox.open()
         self.response = replicas.generate.remote({**request, "route": self.route})
-        self.end: asyncio.Future | None = None
+        self.end = asyncio.ensure_future(_end_of(self.response))
+        self.end.add_done_callback(self._on_end)
         self.call_ended = False
         self.finished = False
 
@@ -204,38 +208,31 @@ class _ChannelStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
+        if self.finished:
+            raise StopAsyncIteration
         try:
-            if self.end is None:  # the first message: the acknowledgement and the first tokens
-                ack = await self.response.__anext__()
-                if "error" in ack:
-                    self.inbox.close(self.route)
-                    return ack
-                self.end = asyncio.ensure_future(_end_of(self.response))
-                self.end.add_done_callback(self._on_end)
-                return {**ack, **await self._next()}
-            if self.finished:
-                raise StopAsyncIteration
-            return await self._next()
+            message = await self._next()
         except BaseException:
             self.inbox.close(self.route)
             raise
+        if "error" in message or message["finished"]:
+            self.finished = True
+            self.inbox.close(self.route)
+        return message
 
     async def _next(self) -> dict[str, Any]:
         item = await (asyncio.wait_for(self.queue.get(), CHANNEL_GRACE_S) if self.call_ended else self.queue.get())
-        if type(item) is _End:
-            if item.error is not None:
-                raise item.error
-            if item.message is not None:  # a refusal after the acknowledgement (an unmeetable deadline)
-                return item.message
-            self.call_ended = True  # its chunks were sent before it ended: they are here or close behind
-            try:
-                item = await asyncio.wait_for(self.queue.get(), CHANNEL_GRACE_S)
-            except asyncio.TimeoutError:
-                raise StreamLost("the replica's last tokens never arrived") from None
-        if item["finished"]:
-            self.finished = True
-            self.inbox.close(self.route)
-        return item
+        if type(item) is not _End:
+            return item
+        if item.error is not None:
+            raise item.error
+        if item.message is not None:  # an item of the call itself (a replica sends all on the channel)
+            return item.message
+        self.call_ended = True  # its messages were sent before it ended: they are here or close behind
+        try:
+            return await asyncio.wait_for(self.queue.get(), CHANNEL_GRACE_S)
+        except asyncio.TimeoutError:
+            raise StreamLost("the replica's last tokens never arrived") from None
 
     def _on_end(self, end: asyncio.Future) -> None:
         if not end.cancelled():
@@ -244,8 +241,7 @@ class _ChannelStream:
 
     def cancel(self) -> None:
         self.response.cancel()
-        if self.end is not None:
-            self.end.cancel()
+        self.end.cancel()
         self.inbox.close(self.route)
 
 
