@@ -8,6 +8,19 @@ import random
 from typing import Any
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU seconds each role's processes used between two ``sample_processes`` (processes of both samples)."""
+    start = {p["pid"]: p["cpu_s"] for p in before}
+    used: dict[str, float] = {}
+    for p in after:
+        if p["pid"] in start:
+            used[p["role"]] = used.get(p["role"], 0.0) + p["cpu_s"] - start[p["pid"]]
+    return used
+
+
 def _read(path: str) -> str:
     with open(path, "rb") as f:
         return f.read().decode(errors="replace")
@@ -30,8 +43,9 @@ def role_of(title: str, app: str | None) -> str | None:
 
 
 def sample_processes(app: str | None = None) -> list[dict[str, Any]]:
-    """RSS (MiB) and open fds of every Ray Serve process here, and of the replicas' children (the engines)."""
-    found: dict[int, tuple[str, str, int]] = {}  # pid -> (role, title, ppid)
+    """RSS (MiB), open fds and CPU seconds used so far (user + system) of every Ray Serve process here, and of
+    the replicas' children (the engines)."""
+    found: dict[int, tuple[str, str, int, float]] = {}  # pid -> (role, title, ppid, CPU seconds)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -41,11 +55,11 @@ def sample_processes(app: str | None = None) -> list[dict[str, Any]]:
             stat = _read(f"/proc/{pid}/stat")
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name in parentheses may hold spaces
-        found[pid] = (role_of(title, app) or "", title, ppid)
-    replicas = {pid for pid, (role, _, _) in found.items() if role == "replica"}
+        fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        found[pid] = (role_of(title, app) or "", title, int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS)
+    replicas = {pid for pid, (role, _, _, _) in found.items() if role == "replica"}
     procs = []
-    for pid, (role, title, ppid) in found.items():
+    for pid, (role, title, ppid, cpu_s) in found.items():
         if not role and ppid in replicas:
             role = "engine" if "engine_core_child" in title else "replica child"
         if not role:
@@ -56,7 +70,8 @@ def sample_processes(app: str | None = None) -> list[dict[str, Any]]:
             fds = len(os.listdir(f"/proc/{pid}/fd"))
         except (OSError, StopIteration):
             continue
-        procs.append({"pid": pid, "role": role, "title": title[:120], "rss_mb": round(rss_kb / 1024, 2), "fds": fds})
+        procs.append({"pid": pid, "role": role, "title": title[:120], "rss_mb": round(rss_kb / 1024, 2), "fds": fds,
+                      "cpu_s": cpu_s})
     return sorted(procs, key=lambda p: (p["role"], p["pid"]))
 
 

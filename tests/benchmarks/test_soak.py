@@ -151,7 +151,15 @@ def test_serve_processes_are_told_apart_by_title(title, app, role):
 
 def test_process_samples_read_from_proc_have_a_role_rss_and_fds():
     for p in serve_processes.sample_processes():  # empty unless a Ray Serve runs on this machine
-        assert p["role"] and p["rss_mb"] > 0 and p["fds"] >= 0 and p["pid"] != os.getpid()
+        assert p["role"] and p["rss_mb"] > 0 and p["fds"] >= 0 and p["cpu_s"] >= 0 and p["pid"] != os.getpid()
+
+
+def test_cpu_by_role_sums_each_roles_processes_present_in_both_samples():
+    before = [{"pid": 1, "role": "router", "cpu_s": 1.0}, {"pid": 2, "role": "replica", "cpu_s": 5.0},
+              {"pid": 3, "role": "replica", "cpu_s": 2.0}, {"pid": 4, "role": "proxy", "cpu_s": 9.0}]
+    after = [{"pid": 1, "role": "router", "cpu_s": 1.5}, {"pid": 2, "role": "replica", "cpu_s": 6.0},
+             {"pid": 3, "role": "replica", "cpu_s": 2.25}, {"pid": 5, "role": "proxy", "cpu_s": 3.0}]
+    assert serve_processes.cpu_by_role(before, after) == {"router": 0.5, "replica": 1.25}
 
 
 def test_idle_needs_a_replica_and_nothing_running_waiting_in_kv_or_in_flight():
