@@ -163,5 +163,11 @@ class StreamOutbox:
         where = (route["host"], route["port"], route["secret"])
         connection = self._connections.get(where)
         if connection is None or connection.broken:
+            # routers come and go (redeploys, restarts): forget the connections to those that went
+            for gone in [w for w, c in self._connections.items() if c.broken]:
+                del self._connections[gone]
             connection = self._connections[where] = _Connection(*where)
         return connection
+
+    def __len__(self) -> int:
+        return len(self._connections)

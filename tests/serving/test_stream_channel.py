@@ -60,6 +60,20 @@ def test_chunks_reach_their_streams_in_order_and_one_turn_makes_one_frame(monkey
     assert len(frames) == 1 and len(frames[0]) == 6
 
 
+def test_a_chunk_goes_out_in_the_turn_it_was_sent_without_waiting_for_the_stream_to_end():
+    async def main():
+        inbox = await _started_inbox()
+        route, queue = inbox.open()
+        connection = StreamOutbox().connection(route)
+        await connection.drain()  # connected
+        connection.send(route["key"], _chunk("now"))  # no drain: the replica drains only at a stream's end
+        got = await asyncio.wait_for(queue.get(), 2)
+        await inbox.stop()
+        return got
+
+    assert asyncio.run(main())["choices"][0]["text"] == "now"
+
+
 def test_a_closed_stream_gets_nothing_and_the_others_go_on():
     async def main():
         inbox = await _started_inbox()
@@ -124,7 +138,7 @@ def test_a_replica_whose_router_is_gone_fails_its_stream_and_reconnects_for_the_
         second_inbox = await _started_inbox()  # e.g. the same router listening again: a fresh connection
         route2, queue2 = second_inbox.open()
         second = outbox.connection(route2)
-        assert second is not first
+        assert second is not first and len(outbox) == 1  # the broken connection was forgotten
         second.send(route2["key"], _chunk("again"))
         await second.drain()
         got = await asyncio.wait_for(queue2.get(), 5)
