@@ -235,9 +235,14 @@ class _ChannelStream:
             raise StreamLost("the replica's last tokens never arrived") from None
 
     def _on_end(self, end: asyncio.Future) -> None:
-        if not end.cancelled():
+        if end.cancelled():  # by ``cancel``, or by Serve with the request that made the call (its client left)
+            self.queue.put_nowait(_End(asyncio.CancelledError(), None))  # a reader still waiting stops
+        else:
             error = end.exception()
             self.queue.put_nowait(_End(error, None if error is not None else end.result()))
+        # Nothing is sent after the call ends; what was sent comes within the grace. So the inbox forgets this
+        # stream by then even if its reader never comes back (it keeps its queue and what is in it).
+        asyncio.get_running_loop().call_later(CHANNEL_GRACE_S, self.inbox.close, self.route)
 
     def cancel(self) -> None:
         self.response.cancel()
@@ -254,13 +259,37 @@ def _lost_reason(error: BaseException) -> str:
     return "its replica died (its process or node went away)"
 
 
-async def _prepend(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its body when the response ends, however it ends. Starlette leaves a body that was cut off (a
+    client gone while a chunk was being sent) suspended until it is garbage collected, and with it the replica
+    call under it running: closing it cancels that call (which aborts the request in the engine) at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class _Prepended:
+    """``first``, then ``rest``'s items. Closing it closes ``rest`` even before anything was taken (an async
+    generator closed before it started runs no ``finally``, and ``rest``'s call would be left running)."""
+
+    def __init__(self, first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> None:
+        self.first: dict[str, Any] | None = first
+        self.rest = rest
+
+    def __aiter__(self) -> "_Prepended":
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
+        return await self.rest.__anext__()
+
+    async def aclose(self) -> None:
+        await self.rest.aclose()
 
 
 _BODY_SCHEMAS: dict[str, Any] = {}  # the request models' sub-schemas, for /openapi.json's components
@@ -463,7 +492,7 @@ class Router:
                 # If the client leaves before the body starts, the generator never runs its `finally`;
                 # releasing when it is collected makes sure the admission slot still comes back.
                 weakref.finalize(body_iter, slot.release)
-                return StreamingResponse(body_iter, media_type="text/event-stream")
+                return _ClosingStreamingResponse(body_iter, media_type="text/event-stream")
             result = await self._full_response(payloads, body, kind, deadline)
             slot.usage.update(result["usage"])
             slot.release()
@@ -488,7 +517,10 @@ class Router:
             async for item in stream:
                 yield item
         finally:
-            slot.release()
+            try:
+                await stream.aclose()  # left at a yield, it would not close the stream under it
+            finally:
+                slot.release()
 
     async def _parse(self, http: Request, schema: type):
         try:
@@ -611,9 +643,11 @@ class Router:
         gen, first = await self._open(payload, deadline)
         progress = _Progress(payload["params"].get("n", 1))
         progress.add(first)
-        yield first
         migrations = 0
         try:
+            # Inside the try: a consumer that leaves after the first message (a client gone before the body
+            # started) must still cancel the call, when it closes this generator or drops it.
+            yield first
             while True:
                 try:
                     chunk = await asyncio.wait_for(gen.__anext__(),
@@ -702,7 +736,7 @@ class Router:
             raise BadRequestError("streaming takes one prompt per request", param="prompt")
         chunks = self._chunks(payloads[0], deadline)
         first = await chunks.__anext__()  # errors before any byte is sent become HTTP statuses
-        return self._sse(_prepend(first, chunks), first["prompt_tokens"], payloads[0]["request_id"], body, kind,
+        return self._sse(_Prepended(first, chunks), first["prompt_tokens"], payloads[0]["request_id"], body, kind,
                          usage)
 
     async def _sse(self, chunks: AsyncIterator[dict[str, Any]], prompt_tokens: int, request_id: str, body,
