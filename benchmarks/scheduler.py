@@ -85,6 +85,7 @@ def build_engine(args, async_scheduling: bool = False):
                        block_size=args.block_size, num_kv_blocks=args.num_requests * blocks_per_request,
                        max_model_len=args.prompt_len + args.max_tokens, async_scheduling=async_scheduling)
     engine.runner.execute = StandInDevice(args.device_ms)
+    engine.scheduler.use_persistent_batch = args.persistent_batch == "on"
     return engine
 
 
@@ -255,6 +256,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device-ms", type=float, default=0.0,
                         help="each step's stand-in forward sleeps this long without holding the GIL (a GPU step as "
                              "the host sees it): the async loop hides its host work behind it")
+    parser.add_argument("--persistent-batch", default="on", choices=["on", "off"],
+                        help="decode steps over an unchanged running set from the scheduler's persistent batch (on, "
+                             "the engine's default) or through the general path every step (off: for comparison)")
     parser.add_argument("--loops", default="sync,async",
                         help="which engine loops to time, comma-separated: sync, async")
     parser.add_argument("--no-settle-heap", dest="settle_heap", action="store_false",
@@ -314,8 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loops": {name: {k: v for k, v in loop.items() if k != "engine"} for name, loop in loops.items()},
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}, "machine": describe_machine(),
     }
-    print_table(f"microseconds per step, {args.num_requests} requests decoding ({args.batching}), stand-in device "
-                f"{args.device_ms:g} ms", ["loop", "wall", "device (slept)", "overhead (wall - device)", "host thread CPU"],
+    print_table(f"microseconds per step, {args.num_requests} requests decoding ({args.batching}, persistent batch "
+                f"{args.persistent_batch}), stand-in device {args.device_ms:g} ms", ["loop", "wall", "device (slept)", "overhead (wall - device)", "host thread CPU"],
                 [[name, loop["wall_us_per_step"], loop["device_us_per_step"], loop["overhead_us_per_step"],
                   loop["cpu_us_per_step"]] for name, loop in loops.items()])
     verdicts = []

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import attrgetter
+from operator import attrgetter, getitem, sub
 from typing import Any, Callable, Iterable
 
 from engine.config import EngineConfig
@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 # re-run every DIAGNOSE_EVERY steps: cheap enough for every engine, slow enough to see states, not bursts.
 SAMPLE_EVERY, DIAGNOSIS_WINDOW, DIAGNOSE_EVERY = 10, 100, 200
 _PARENT_ID, _PARAMS = attrgetter("parent_id"), attrgetter("params")
+_OUTPUT, _SENT_LEN, _SENT_FIRST = attrgetter("output_token_ids"), attrgetter("sent_token_len"), attrgetter("sent_first_output")
+_LOGPROBS, _REPORTS_AT_END = attrgetter("logprobs"), attrgetter("reports_at_end")
+_LAST_ONE = slice(-1, None)
 
 
 @dataclass
@@ -86,6 +89,9 @@ class LLMEngine:
         self._children: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.num_steps = 0
         self._token_time = 0.0  # when the latest step's tokens arrived
+        # the rows of the persistent batch last found to be a _plain_step, and their output lists
+        self._plain_rows: list[Request] | None = None
+        self._plain_outputs: list[list[int]] = []
         self.last_batch_size = 0  # rows computed by the latest step
         self.num_finished_requests = 0
         self.num_generated_tokens = 0
@@ -333,14 +339,20 @@ class LLMEngine:
             done = launched
         else:
             done, self._in_flight = self._in_flight, launched
+        plain = False  # the processed step's rows are the usual case of the persistent batch (_plain_step)
         if done is not None:
             # the step's time for the predictor: all of it when the loop is synchronous (the next step waits
             # for the host work too), the device's alone when the host work overlaps it
-            self._process(done, touched, time.perf_counter() - started if self._device is None else None)
+            plain = self._process(done, touched, time.perf_counter() - started if self._device is None else None)
         if self.lane is not None and self.lane.has_work():
             for request in self._run_prefill_lane():
                 touched[request.parent_id] = None
-        records = self._records(touched)
+        if plain and not touched:
+            records = self._records_of_plain_step(done)
+        else:
+            if plain:
+                touched.update(zip(map(_PARENT_ID, done.rows), repeat(None)))
+            records = self._records(touched)
         if not self._children and self._in_flight is None:
             self._release_runner_state()
         if record is not None:
@@ -376,6 +388,32 @@ class LLMEngine:
             if all_ended:
                 self._retire(parent)
         return records
+
+    def _plain_step(self, rows: list[Request]) -> bool:
+        """Whether ``rows``, a step of the scheduler's persistent batch in which no row ended, are the usual case
+        there: each with one new token since its last record, no logprobs, past its first record, not reported only
+        at its end. Checked once per batch of rows (the same list object while the running set is unchanged): what
+        it checks then stays true, since every record of a step covers each of its rows."""
+        if rows is self._plain_rows:
+            return True
+        count = len(rows)
+        outputs = list(map(_OUTPUT, rows))
+        if (list(map(_LOGPROBS, rows)).count(None) != count or not all(map(_SENT_FIRST, rows))
+                or any(map(_REPORTS_AT_END, rows))
+                or list(map(sub, map(len, outputs), map(_SENT_LEN, rows))).count(1) != count):
+            return False
+        self._plain_rows, self._plain_outputs = rows, outputs
+        return True
+
+    def _records_of_plain_step(self, step: "_Launched") -> list[CoreRecord]:
+        """``_records`` for a ``_plain_step``: one record per row, its one new token, built by C loops instead of
+        bytecode per row."""
+        outputs = self._plain_outputs
+        lengths = list(map(len, outputs))
+        collections.deque(map(setattr, step.rows, repeat("sent_token_len"), lengths), maxlen=0)
+        none = repeat(None)
+        return list(zip(step.batch.request_ids, map(getitem, outputs, repeat(_LAST_ONE)), none, none, none, none,
+                        none, none))
 
     @staticmethod
     def _record(child: Request, ended: bool, token_time: float) -> CoreRecord | None:
@@ -449,15 +487,17 @@ class LLMEngine:
         if batch.is_empty:
             return batch, None
         rows = scheduler.scheduled_requests()
-        # Per row of every step from here: locals, and no per-row dict unless a row asked for logprobs.
-        sampled_rows = list(compress(rows, batch.sample))
-        sampling = SamplingBatch(
-            params=list(map(_PARAMS, sampled_rows)),
+        kept = scheduler.scheduled_by_persistent_batch()
+        if kept is not None:  # every row samples; the batch keeps their params and output counts
+            sampled_rows, params, counts = rows, kept.params, kept.sampled_output_counts()
+        else:
+            # Per row of every step from here: locals, and no per-row dict unless a row asked for logprobs.
+            sampled_rows = list(compress(rows, batch.sample))
+            params = list(map(_PARAMS, sampled_rows))
             # tokens before this one, the ones still in flight included
-            num_output_tokens=[len(r.output_token_ids) + r.num_pending_tokens - 1 for r in sampled_rows],
-            eos_token_ids=self.eos_token_ids,
-            requests=sampled_rows,
-        )
+            counts = [len(r.output_token_ids) + r.num_pending_tokens - 1 for r in sampled_rows]
+        sampling = SamplingBatch(params=params, num_output_tokens=counts, eos_token_ids=self.eos_token_ids,
+                                 requests=sampled_rows)
         if self._device is None:
             return batch, _Launched(batch, rows, None, self._timed_execute(batch, sampling))
         return batch, _Launched(batch, rows, self._device.submit(self._timed_execute, batch, sampling))
@@ -467,9 +507,10 @@ class LLMEngine:
         result = self.runner.execute(batch, sampling)
         return result, time.perf_counter() - started
 
-    def _process(self, launched: "_Launched", touched: dict[str, None], step_seconds: float | None) -> None:
+    def _process(self, launched: "_Launched", touched: dict[str, None], step_seconds: float | None) -> bool:
         """Apply a computed step: prompt outputs, tokens (stop rules, stop strings), the predictor's clock
-        (``step_seconds``, or the forward's own time when None)."""
+        (``step_seconds``, or the forward's own time when None). The requests that got a token go into ``touched``,
+        except after a ``_plain_step`` (returns True): those are its rows, and the caller reports them."""
         scheduler, batch = self.scheduler, launched.batch
         result, seconds = launched.outcome if launched.future is None else launched.future.result()
         if step_seconds is not None:
@@ -489,7 +530,9 @@ class LLMEngine:
                 if token_logprobs is not None and request.logprobs is not None and request in got_token:
                     request.logprobs.append(token_logprobs)
                     request.logprobs.extend(result.accepted_logprobs.get(row, ()))
-        touched.update(zip(map(_PARENT_ID, advanced), repeat(None)))  # C loops: this runs for every row
+        plain = scheduler.last_update_kept and self._plain_step(launched.rows)
+        if not plain:
+            touched.update(zip(map(_PARENT_ID, advanced), repeat(None)))  # C loops: this runs for every row
         for request in scheduler.drain_ended_without_token():  # prefill-only requests done in this step
             touched[request.parent_id] = None
         self.num_generated_tokens += len(advanced)
@@ -509,6 +552,7 @@ class LLMEngine:
             self.predictor.observe(seconds, num_prompt_tokens, num_decode_rows)
         if self.num_steps % SAMPLE_EVERY == 0:
             self._sample_kv(batch, seconds)
+        return plain
 
     def _run_prefill_lane(self) -> list[Request]:
         """One lane batch, after the scheduler's step (see prefill_lane.py for why); returns the lane requests

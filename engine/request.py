@@ -199,12 +199,22 @@ class Request:
         output_token_ids.append(token_id)
         all_token_ids.append(token_id)
         if token_id in self.stop_ids and len(output_token_ids) >= self.params.min_tokens:
+            return self.stops_at(token_id)
+        if len(all_token_ids) >= self.max_total_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def stops_at(self, token_id: int) -> bool:
+        """``append_token``'s stop rules for ``token_id``, already appended as the last token: True (and the
+        reason set) if it ends the request. What a persistent batch runs for the rows its arrays flag."""
+        if token_id in self.stop_ids and len(self.output_token_ids) >= self.params.min_tokens:
             params = self.params
             # eos first: a token that is both reports no stop token, as before
             self.finish_reason = "stop"
             self.stop_reason = None if not params.ignore_eos and token_id in self.eos_token_ids else token_id
             return True
-        if len(all_token_ids) >= self.max_total_tokens:
+        if len(self.all_token_ids) >= self.max_total_tokens:
             self.finish_reason = "length"
             return True
         return False

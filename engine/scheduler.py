@@ -14,6 +14,7 @@ from typing import Callable
 from engine.block_pool import BlockPool, KVCacheManager, KVCacheStats
 from engine.config import EngineConfig
 from engine.outputs import FinishReason
+from engine.persistent_batch import PersistentBatch
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, PromptRow, SchedulerOutput
 
@@ -35,6 +36,7 @@ class Scheduler:
     """
 
     prefix_caching = False  # subclasses that reuse cached prefixes turn it on
+    keeps_decode_batch = False  # subclasses whose decode steps may run from a persistent batch turn it on
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
         self.config = config
@@ -46,8 +48,20 @@ class Scheduler:
         # Scheduled steps whose results have not been applied (update), oldest first: each step's rows as two
         # parallel lists (no tuple per row per step), the requests and the KV length each reaches. One step in
         # the synchronous loop; two while the engine schedules a step before the previous one's tokens are back
-        # (async scheduling). Third: the step's proposed tokens by row (SchedulerOutput.spec_token_ids).
-        self._in_flight: deque[tuple[list[Request], list[int], dict[int, list[int]]]] = deque()
+        # (async scheduling). Third: the step's proposed tokens by row (SchedulerOutput.spec_token_ids). Fourth: the
+        # persistent batch that scheduled the step, if one did (its update then runs there too).
+        self._in_flight: deque[tuple[list[Request], list[int], dict[int, list[int]], PersistentBatch | None]] = deque()
+        # The persistent batch (persistent_batch.py): while the running set stays what it was when the general path
+        # last scheduled a batch of decodes over all of it (``_decode_rows``), decode steps run from that batch.
+        # ``_running_changes`` counts changes to the running set; the batch is dropped at each.
+        self.use_persistent_batch = self.keeps_decode_batch
+        self._fcfs_admission = config.scheduling_policy == "fcfs" and config.max_queue_wait_s is None
+        self._running_changes = 0
+        self._decode_rows: list[Request] | None = None
+        self._decode_rows_at = -1
+        self._persistent: PersistentBatch | None = None
+        self.num_persistent_steps = 0  # steps scheduled from the persistent batch
+        self.last_update_kept = False  # the latest update ran in the persistent batch, and no row ended
         # Speculative decoding: a decode row also computes its request's ``spec_token_ids`` (set by the engine's
         # Speculator before each schedule) when blocks for them are free; they never cause a preemption.
         self.speculative = False
@@ -132,9 +146,14 @@ class Scheduler:
                 request.static_padding = True  # keeps slot and blocks until its batch ends
                 return
             self.running.remove(request)
+            self._running_changed()
         else:
             self.waiting.remove(request)
         self.kv.free(request.request_id)
+
+    def _running_changed(self) -> None:
+        self._running_changes += 1
+        self._persistent = None
 
     def take_ended_with_state(self) -> list[str]:
         """Ids of the requests that ended since the last call and had state in the runner (penalty counts, a
@@ -179,6 +198,10 @@ class Scheduler:
         time anything reads it: steps run in order), and each row that samples owes its request a pending
         token until ``update`` brings it."""
         self._expire_deadlines()
+        out = self._schedule_persistent()
+        if out is not None:
+            return out
+        self._persistent = None  # the general path changes what its arrays mirror
         picked = self._pick()
         requests, counts = list(picked), list(picked.values())
         out = self._build_output(requests, counts)
@@ -193,8 +216,42 @@ class Scheduler:
                     service[tenant] = service.get(tenant, 0.0) + num_new
             ends.append(request.num_computed_tokens)
         if requests:
-            self._in_flight.append((requests, ends, out.spec_token_ids))
+            self._in_flight.append((requests, ends, out.spec_token_ids, None))
+        # A batch of single-token decodes that sample, over the whole running set: the next steps may keep it.
+        decodes_all = (self.use_persistent_batch and requests and len(requests) == len(self.running)
+                       and len(out.input_token_ids) == len(requests) and all(out.sample) and not out.spec_token_ids
+                       and not out.prompt_rows)
+        self._decode_rows, self._decode_rows_at = (requests if decodes_all else None), self._running_changes
         return out
+
+    def _schedule_persistent(self) -> SchedulerOutput | None:
+        """This step from the persistent batch, when it is the step the general path would schedule: the running
+        set is unchanged since a batch of decodes over all of it, nothing else asks for a look (a queue that could
+        be admitted, prompt work, proposals, fair-share counters, state or KV copies to hand over), and every row
+        still decodes one token whose block is there or can be had without preempting. Else None."""
+        rows = self._decode_rows
+        if (rows is None or self._decode_rows_at != self._running_changes or self.speculative or self._fair
+                or self._num_with_prompt_work or self._ended_with_state or self._swap_out or self._swap_in
+                or len(rows) > self.config.max_num_batched_tokens):
+            return None
+        # A queue is looked at only if it could get in: a free slot, or a policy under which a newcomer preempts.
+        if self.waiting and not (len(self.running) >= self.config.max_num_seqs and self._fcfs_admission):
+            return None
+        batch = self._persistent
+        if batch is None:
+            batch = self._persistent = PersistentBatch(rows, self.kv)
+        scheduled = batch.schedule(self.kv)
+        if scheduled is None:
+            self._persistent = self._decode_rows = None
+            return None
+        out, ends = scheduled
+        self._in_flight.append((batch.rows, ends, {}, batch))
+        self.num_persistent_steps += 1
+        return out
+
+    def scheduled_by_persistent_batch(self) -> PersistentBatch | None:
+        """The persistent batch, if the latest ``schedule()`` came from it."""
+        return self._in_flight[-1][3] if self._in_flight else None
 
     def _pick(self) -> dict[Request, int]:
         """This step's rows, in order: each request and how many of its tokens to compute."""
@@ -279,7 +336,14 @@ class Scheduler:
 
         Returns the requests that produced a token this step (finished ones included).
         """
-        requests, ends, proposed_by_row = self._in_flight.popleft()
+        requests, ends, proposed_by_row, kept = self._in_flight.popleft()
+        # Scheduled from the persistent batch, and the running set unchanged since: apply it there. (The batch may
+        # have been rebuilt meanwhile from the same rows, after a general step: it mirrors the requests either way.)
+        batch = self._persistent
+        if kept is not None and batch is not None and batch.rows is requests and None not in sampled_token_ids:
+            return self._update_persistent(batch, ends, sampled_token_ids)
+        self._persistent = None  # the general path below changes what its arrays mirror
+        self.last_update_kept = False
         if proposed_by_row:
             self._roll_back_rejected(requests, ends, proposed_by_row, accepted_token_ids or {})
         if self.num_appended:
@@ -287,7 +351,7 @@ class Scheduler:
         advanced: list[Request] = []
         finished: list[Request] = []
         add_advanced = advanced.append
-        done, running = RequestStatus.FINISHED, RequestStatus.RUNNING
+        done = RequestStatus.FINISHED
         kv = self.kv
         caching, block_size, num_hashed_blocks = kv.enable_prefix_caching, kv.block_size, kv.num_hashed_blocks
         for row, (request, end, token_id) in enumerate(zip(requests, ends, sampled_token_ids)):
@@ -304,14 +368,35 @@ class Scheduler:
                 finished.append(request)
                 self._ended_without_token.append(request)
             # after the tokens are appended: a speculative row's valid KV reaches into them
-            if (caching and request.status is running and end <= request.num_computed_tokens
-                    and end >= (num_hashed_blocks(request.request_id) + 1) * block_size
-                    and end <= len(request.all_token_ids)):
-                kv.cache_computed_blocks(request.request_id, request.all_token_ids, end, request.cache_root)
+            if caching and end >= (num_hashed_blocks(request.request_id) + 1) * block_size:
+                self._cache_filled(request, end)
         for request in finished:
             self.finish(request, request.finish_reason)
         self._on_step_end()
         return advanced
+
+    def _update_persistent(self, batch: PersistentBatch, ends: list[int], token_ids: list[int]) -> list[Request]:
+        """``update`` for a step of the persistent batch: every row got one token."""
+        if self.num_appended:
+            self.num_appended = {}
+        rows = batch.rows
+        finished = [rows[row] for row in batch.apply(token_ids)]
+        if self.kv.enable_prefix_caching:  # one token a step: a block fills exactly when the KV reaches its end
+            for row in batch.rows_filling_a_block(ends):
+                self._cache_filled(rows[row], ends[row])
+        for request in finished:
+            self.finish(request, request.finish_reason)
+        self._on_step_end()
+        self.last_update_kept = not finished
+        return list(rows)
+
+    def _cache_filled(self, request: Request, end: int) -> None:
+        """Hash the request's blocks that KV up to ``end`` filled into the prefix cache, if that KV is valid."""
+        kv = self.kv
+        if (request.status is RequestStatus.RUNNING and end <= request.num_computed_tokens
+                and end >= (kv.num_hashed_blocks(request.request_id) + 1) * kv.block_size
+                and end <= len(request.all_token_ids)):
+            kv.cache_computed_blocks(request.request_id, request.all_token_ids, end, request.cache_root)
 
     def _append_accepted(self, request: Request, token_ids: list[int]) -> bool:
         """A speculative row's tokens after its first, in order (how many tokens the row got goes into
@@ -387,6 +472,7 @@ class ContinuousScheduler(Scheduler):
     """
 
     prefix_caching = True
+    keeps_decode_batch = True
 
     def _pick(self) -> dict[Request, int]:
         budget = self.config.max_num_batched_tokens
@@ -472,6 +558,7 @@ class ContinuousScheduler(Scheduler):
                 self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                self._running_changed()
                 if request.swapped_blocks is not None:  # its KV comes back into the first blocks of its new table
                     host = request.swapped_blocks
                     self._swap_in.extend(zip(host, kv.block_tables[request.request_id]))
@@ -517,6 +604,7 @@ class ContinuousScheduler(Scheduler):
         """Take the request's slot and blocks. Its KV is swapped to host blocks if that is allowed, fits,
         and (``preemption_mode="auto"``) costs less time than recomputing it; else it is recomputed."""
         self.running.remove(request)
+        self._running_changed()
         self.num_preemptions += 1
         request.metrics.num_preemptions += 1
         # only the blocks holding computed KV are worth copying
@@ -584,12 +672,14 @@ class StaticScheduler(Scheduler):
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._running_changed()
 
     def _on_step_end(self) -> None:
         if self.running and all(r.static_padding for r in self.running):
             for request in self.running:
                 self.kv.free(request.request_id)
             self.running = []
+            self._running_changed()
 
 
 def make_scheduler(config: EngineConfig, num_kv_blocks: int) -> Scheduler:

@@ -56,14 +56,16 @@ def test_bad_block_size_is_named():
 
 
 def test_opcode_counts_repeat_exactly_and_grow_with_the_batch():
-    """The same engine state gives the same count (what makes it a noise-free comparison), and a step of more
-    requests runs more opcodes."""
+    """The same engine state gives the same count (what makes it a noise-free comparison), and on the general
+    path a step of more requests runs more opcodes (per row in Python); the persistent batch's step runs far fewer,
+    its per-row work being in C loops."""
     counts = {}
-    for num_requests in (4, 4, 16):
+    for persistent, num_requests in (("off", 4), ("off", 4), ("off", 16), ("on", 16)):
         args = scheduler.parse_args(["--num-requests", str(num_requests), "--steps", "5", "--decoded-tokens", "3",
-                                     "--prompt-len", "8"])
+                                     "--prompt-len", "8", "--persistent-batch", persistent])
         engine = scheduler.build_engine(args)
         scheduler.start_requests(engine, args, 0)
-        counts.setdefault(num_requests, []).append(scheduler.count_opcodes(engine, 3))
-    assert counts[4][0] == counts[4][1] > 0
-    assert counts[16][0] > 2 * counts[4][0]
+        counts.setdefault((persistent, num_requests), []).append(scheduler.count_opcodes(engine, 3))
+    assert counts["off", 4][0] == counts["off", 4][1] > 0
+    assert counts["off", 16][0] > 2 * counts["off", 4][0]
+    assert counts["on", 16][0] < counts["off", 16][0] / 2
