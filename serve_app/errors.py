@@ -120,3 +120,9 @@ ERROR_BODY_SCHEMA: dict[str, Any] = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 ERROR_STATUSES = {cls.status_code: cls.__name__ for cls in _KINDS.values() if cls is not APIError}
+
+
+class EngineLost(RuntimeError):
+    """A replica's engine died under a request (its process killed or crashed): between the replica and the
+    router, never an HTTP answer. The router treats the replica as lost: the request is retried, or its stream
+    continued, on another replica, and the replica's failing health check has Serve replace it."""

@@ -25,11 +25,12 @@ from typing import Any, AsyncIterator
 import ray
 from ray import serve
 
-from engine import AsyncLLMEngine, Continuation, DeadlineUnmeetableError, PoolingParams, SamplingParams
+from engine import (AsyncLLMEngine, Continuation, DeadlineUnmeetableError, EngineDeadError, PoolingParams,
+                    SamplingParams)
 from engine.outputs import RequestOutput
 from serve_app.admission import DrainRate
 from serve_app.autoscaling import autoscaling_metrics
-from serve_app.errors import (APIError, BadRequestError, OverloadedError, RequestTimeoutError,
+from serve_app.errors import (APIError, BadRequestError, EngineLost, OverloadedError, RequestTimeoutError,
                               ServiceUnavailableError, param_of_value_error)
 from serve_app.metrics import ReplicaMetrics
 from serve_app.responses import pack_embedding
@@ -71,17 +72,22 @@ class LLMReplica:
         channel, the call then yielding nothing and ending when the last of them is on its way."""
         messages = self._messages(request)
         route = request.get("route")
-        if route is None:
-            async for message in messages:
-                yield message
-            return
-        channel, key = self.outbox.connection(route), route["key"]
         try:
-            async for message in messages:
-                channel.send(key, message)
-            await channel.drain()
-        finally:
-            await messages.aclose()
+            if route is None:
+                async for message in messages:
+                    yield message
+                return
+            channel, key = self.outbox.connection(route), route["key"]
+            try:
+                async for message in messages:
+                    channel.send(key, message)
+                await channel.drain()
+            finally:
+                await messages.aclose()
+        except EngineDeadError as e:
+            # Not this request's fault, nor the client's: the router continues it elsewhere. (When the replica's
+            # actor is killed, its engine's process can die a moment before it, and this is what the call sees.)
+            raise EngineLost(str(e)) from None
 
     async def _messages(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self._ensure_stats_task()

@@ -42,8 +42,9 @@ from starlette.requests import ClientDisconnect
 from serve_app import responses as R
 from serve_app.admission import AdmissionController, TenantLimiter
 from serve_app.config import RouterConfig
-from serve_app.errors import (ERROR_BODY_SCHEMA, ERROR_STATUSES, APIError, BadRequestError, ModelNotFoundError,
-                              OverloadedError, RequestTimeoutError, ServerError, ServiceUnavailableError)
+from serve_app.errors import (ERROR_BODY_SCHEMA, ERROR_STATUSES, APIError, BadRequestError, EngineLost,
+                              ModelNotFoundError, OverloadedError, RequestTimeoutError, ServerError,
+                              ServiceUnavailableError)
 from serve_app.metrics import RouterMetrics
 from engine.models.source import read_model_source
 from serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
@@ -62,7 +63,7 @@ class StreamLost(ConnectionError):
     """A replica's call ended but the chunks it sent on the stream channel never came (a connection cut)."""
 
 
-REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError, StreamLost)
+REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError, StreamLost, EngineLost)
 
 api = FastAPI(title="inflight", docs_url="/docs")
 api.add_middleware(Gate)  # header and body bounds, API keys: before any route (serve_app/gate.py)
@@ -256,6 +257,8 @@ def _lost_reason(error: BaseException) -> str:
         return "its replica's connection to this router was cut"
     if isinstance(error, ActorUnavailableError):
         return "its replica became unreachable (its process or node went away)"
+    if isinstance(error, EngineLost):
+        return "its replica's engine died"
     return "its replica died (its process or node went away)"
 
 
