@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import compress, repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, itemgetter, mod, not_
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,84 +44,99 @@ def _array(values, count: int) -> np.ndarray:
 class PersistentBatch:
     """The running requests, all decoding one token a step, in row order.
 
-    ``rows`` must be the whole running set, each row's request with no prompt work, no logprobs, nothing
-    speculative and not static padding: ``Scheduler`` keeps one only then (``Scheduler._steady_candidate``).
+    ``rows`` must be the whole running set, each row's request with no prompt work, nothing speculative and not
+    static padding, and each having sampled in the latest step: ``Scheduler._schedule_persistent`` keeps one only
+    then. Per step it runs a handful of numpy calls and C loops, whatever the number of rows: after a GPU's step
+    (or this benchmark's 8 ms stand-in) little of the host's data is still in the caches, and each numpy call or
+    pass over the rows pays for that again.
     """
 
     def __init__(self, rows: list[Request], kv: KVCacheManager) -> None:
         count = len(rows)
         self.rows = rows
+        self.num_rows = count
         self.request_ids: list[str] = list(map(_ID, rows))
         # the requests' live tables: allocating grows them in place, so the batch sees new blocks without a copy
         self.tables: list[list[int]] = list(map(kv.block_tables.__getitem__, self.request_ids))
-        self.block_size = kv.block_size
         self.all_lists: list[list[int]] = list(map(_ALL, rows))
         self.output_lists: list[list[int]] = list(map(_OUTPUT, rows))
-        self.computed = _array(map(_COMPUTED, rows), count)
-        self.pending = _array(map(_PENDING, rows), count)
-        self.num_tokens = _array(map(len, self.all_lists), count)
-        self.num_outputs = _array(map(len, self.output_lists), count)
-        self.max_total = _array(map(_MAX_TOTAL, rows), count)
-        self.capacity = _array(map(len, self.tables), count) * self.block_size
         self.params = list(map(_PARAMS, rows))  # what the sampler needs of each row: fixed for a request's life
+        self.computed = _array(map(_COMPUTED, rows), count)
+        num_tokens = _array(map(len, self.all_lists), count)
+        self.max_total = _array(map(_MAX_TOTAL, rows), count)
+        # Tokens and outputs grow by one per row per step: counted once for all rows since the batch was built.
+        self.base_tokens, self.base_outputs = num_tokens, _array(map(len, self.output_lists), count)
+        self.num_appended = 0
+        # Every row owes the same number of in-flight tokens (0 in the synchronous loop, 1 with async scheduling)
+        # and has exactly one token to compute: else the batch never schedules (the general path decides).
+        pending = set(map(_PENDING, rows))
+        self.num_pending = pending.pop() if len(pending) == 1 else 0
+        self.usable = (len(pending) == 0 and count > 0
+                       and bool((num_tokens + self.num_pending - self.computed == 1).all()))
+        # Rows whose last block is full at step k (their KV reaches the block's end) fill one block every
+        # block_size steps: bucketed by k % block_size, each step looks up its rows instead of comparing arrays.
+        self.block_size = block_size = kv.block_size
+        self.step = 0
+        room = _array(map(len, self.tables), count) * block_size - self.computed
+        self.due: list[list[int]] = [[] for _ in range(block_size)]
+        for row, phase in enumerate((room % block_size).tolist()):
+            self.due[phase].append(row)
         self.stop_ids: list[frozenset[int]] = list(map(_STOP_IDS, rows))
         # When every row stops on the same tokens (the usual: the model's eos, or nothing), one set to test.
         shared = self.stop_ids[0] if count and self.stop_ids.count(self.stop_ids[0]) == count else None
         self.shared_stop_ids: frozenset[int] | None = shared
+        # Each row's latest token, when the batch appended it: the next step's inputs (else read from the rows).
+        self.last_token_ids: list[int] | None = None
         # Steps until the first row reaches its length limit: counted down, so most steps compare no arrays.
-        self.steps_to_a_length_limit = int((self.max_total - self.num_tokens).min()) if count else 0
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.rows)
+        self.steps_to_a_length_limit = int((self.max_total - num_tokens).min()) if count else 0
 
     def schedule(self, kv: KVCacheManager) -> tuple[SchedulerOutput, list[int]] | None:
         """The next step: every row decodes its next token. None if that is not this step's batch (a row waits for
-        its last token, which is in flight, or has more than one token to compute) or a row's next block cannot
-        be had: the general path then decides, with preemption. Else the batch and the KV length each row reaches.
-        """
-        computed, pending = self.computed, self.pending
-        known = self.num_tokens + pending
-        if not np.array_equal(known - computed, np.ones_like(computed)):
+        its last token, which is in flight) or a row's next block cannot be had: the general path then decides,
+        with preemption. Else the batch and the KV length each row reaches."""
+        if not self.usable:
             return None
-        if pending.any():
-            if not pending.all() or (known >= self.max_total).any():
-                return None  # mixed rows, or a row's last token is in flight (it ends when that lands)
-            inputs = [PLACEHOLDER_TOKEN_ID] * self.num_rows  # the in-flight step's samples: the runner puts them in
-            placeholder_rows = list(range(self.num_rows))
-        else:
-            inputs = list(map(_LAST, self.all_lists))  # the token at position ``computed`` is each row's last
+        count, num_pending = self.num_rows, self.num_pending
+        if num_pending:
+            if self.steps_to_a_length_limit <= num_pending:
+                return None  # a row's last token is in flight: it ends when that lands
+            inputs = [PLACEHOLDER_TOKEN_ID] * count  # the in-flight step's samples: the runner puts them in
+            placeholder_rows = list(range(count))
+        else:  # the token at position ``computed`` is each row's last
+            last = self.last_token_ids
+            inputs = list(last) if last is not None else list(map(_LAST, self.all_lists))
             placeholder_rows = []
-        tables, block_size, request_ids = self.tables, self.block_size, self.request_ids
-        for row in np.flatnonzero(computed >= self.capacity).tolist():  # rows whose blocks are full: ~1 in 16
+        computed, request_ids = self.computed, self.request_ids
+        for row in self.due[self.step % self.block_size]:  # rows whose last block is full: ~1 in block_size
             if not kv.allocate(request_ids[row], int(computed[row]) + 1):
                 return None
-            self.capacity[row] = len(tables[row]) * block_size
-        count = self.num_rows
+        self.step += 1
+        starts = computed.tolist()
+        computed += 1
+        ends = computed.tolist()
         out = SchedulerOutput(
             request_ids=list(request_ids), input_token_ids=inputs, query_lens=[1] * count,
-            start_positions=computed.tolist(), block_tables=list(tables), sample=[True] * count,
+            start_positions=starts, block_tables=list(self.tables), sample=[True] * count,
             padding=[False] * count, placeholder_rows=placeholder_rows)
-        computed += 1
-        pending += 1
-        ends = computed.tolist()
+        self.num_pending = num_pending = num_pending + 1
         _consume(map(setattr, self.rows, repeat("num_computed_tokens"), ends))
-        _consume(map(setattr, self.rows, repeat("num_pending_tokens"), pending.tolist()))
+        _consume(map(setattr, self.rows, repeat("num_pending_tokens"), repeat(num_pending, count)))
         return out, ends
 
     def sampled_output_counts(self) -> list[int]:
         """Per row, the output tokens before the one this step samples (in-flight ones included)."""
-        return (self.num_outputs + self.pending - 1).tolist()
+        return (self.base_outputs + (self.num_appended + self.num_pending - 1)).tolist()
 
     def apply(self, token_ids: list[int]) -> list[int]:
         """Append each row's sampled token; returns the rows whose token ended their request (by the same rules
         and with the same reasons as ``Request.append_token``, which each such row runs again to decide)."""
-        self.pending -= 1
-        self.num_tokens += 1
-        self.num_outputs += 1
+        count = self.num_rows
+        self.num_pending -= 1
+        self.num_appended += 1
         _consume(map(list.append, self.output_lists, token_ids))
         _consume(map(list.append, self.all_lists, token_ids))
-        _consume(map(setattr, self.rows, repeat("num_pending_tokens"), self.pending.tolist()))
+        self.last_token_ids = token_ids
+        _consume(map(setattr, self.rows, repeat("num_pending_tokens"), repeat(self.num_pending, count)))
         # Which rows to look at: a token in the row's stop set (C loops over set lookups; numpy's isin costs more
         # at these sizes), or a row at its length limit (only once the countdown says one may be).
         shared = self.shared_stop_ids
@@ -129,15 +144,16 @@ class PersistentBatch:
             hit = list(map(shared.__contains__, token_ids)) if shared else None
         else:
             hit = list(map(frozenset.__contains__, self.stop_ids, token_ids))
-        candidates = set(compress(range(self.num_rows), hit)) if hit is not None and True in hit else set()
+        candidates = set(compress(range(count), hit)) if hit is not None and True in hit else set()
         self.steps_to_a_length_limit -= 1
         if self.steps_to_a_length_limit <= 0:
-            candidates.update(np.flatnonzero(self.num_tokens >= self.max_total).tolist())
-            self.steps_to_a_length_limit = int((self.max_total - self.num_tokens).min())
+            num_tokens = self.base_tokens + self.num_appended
+            candidates.update(np.flatnonzero(num_tokens >= self.max_total).tolist())
+            self.steps_to_a_length_limit = int((self.max_total - num_tokens).min())
         rows = self.rows
         return [row for row in sorted(candidates) if rows[row].stops_at(token_ids[row])]
 
     def rows_filling_a_block(self, ends: list[int]) -> list[int]:
         """Rows whose KV reached a block boundary in the step that reached ``ends``: only they can have a new full
         block to hash into the prefix cache."""
-        return list(compress(range(len(ends)), (np.asarray(ends) % self.block_size == 0).tolist()))
+        return list(compress(range(len(ends)), map(not_, map(mod, ends, repeat(self.block_size)))))

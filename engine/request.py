@@ -67,12 +67,15 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "parent_id", "index", "prompt", "prompt_token_ids", "output_token_ids",
-        "all_token_ids", "params", "priority", "arrival_order", "num_computed_tokens", "status",
+        # Written for every row of every step (the persistent batch's setattrs): first, so that they share the
+        # object's first cache line. A step that comes after the device's 8 ms finds little in the caches.
+        "num_computed_tokens", "num_pending_tokens", "sent_token_len", "output_token_ids", "all_token_ids",
+        "status",
+        "request_id", "parent_id", "index", "prompt", "prompt_token_ids", "params", "priority", "arrival_order",
         "finish_reason", "stop_reason", "metrics", "deadline", "max_total_tokens",
-        "eos_token_ids", "stop_ids", "continued_text_len", "sent_token_len", "logprobs", "reports_at_end",
+        "eos_token_ids", "stop_ids", "continued_text_len", "logprobs", "reports_at_end",
         "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
-        "has_prompt_work", "sent_first_output", "num_pending_tokens", "cache_root",
+        "has_prompt_work", "sent_first_output", "cache_root",
         "spec_token_ids", "spec_state", "spec_acceptance",
     )
 

@@ -76,16 +76,23 @@ def assert_same_results(requests, got_seen, got_final, want_seen, want_final) ->
             assert (g.finish_reason, g.stop_reason) == (w.finish_reason, w.stop_reason), request_id
 
 
+@pytest.mark.parametrize("admission_mode", ["max_utilization", "guaranteed_no_evict"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_decode_steps_from_the_persistent_batch_give_the_general_paths_results(decode_stop, decoded_prefix,
-                                                                              async_scheduling):
+                                                                              async_scheduling, admission_mode):
+    """(guaranteed_no_evict reserves every block a request may need at admission: the batch never allocates.)"""
     requests = decode_heavy(decode_stop, decoded_prefix)
     runs = {}
     for persistent in (True, False):
-        engine = engine_for(async_scheduling, persistent, max_num_seqs=6, num_kv_blocks=200)
-        runs[persistent] = (engine, *drive(engine, requests)[:2])
-    (kept, kept_seen, kept_final), (general, seen, final) = runs[True], runs[False]
+        engine = engine_for(async_scheduling, persistent, max_num_seqs=6, num_kv_blocks=200,
+                            admission_mode=admission_mode)
+        runs[persistent] = (engine, *drive(engine, requests))
+    (kept, kept_seen, kept_final, kept_rows), (general, seen, final, _) = runs[True], runs[False]
     assert_same_results(requests, kept_seen, kept_final, seen, final)
+    # No row past a request's last token: one whose max_tokens is in flight is not scheduled again (async).
+    for request_id, out in kept_final.items():
+        if out.outputs[0].finish_reason == "length":
+            assert kept_rows[request_id][0] == len(joined(kept_seen[request_id])[0]), request_id
 
     # the features under test happened, on the persistent path
     assert kept_final["stop-token"].outputs[0].stop_reason == decode_stop
