@@ -9,7 +9,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import attrgetter, getitem, sub
+from operator import attrgetter, sub
 from typing import Any, Callable, Iterable
 
 from engine.config import EngineConfig
@@ -37,7 +37,6 @@ SAMPLE_EVERY, DIAGNOSIS_WINDOW, DIAGNOSE_EVERY = 10, 100, 200
 _PARENT_ID, _PARAMS = attrgetter("parent_id"), attrgetter("params")
 _OUTPUT, _SENT_LEN, _SENT_FIRST = attrgetter("output_token_ids"), attrgetter("sent_token_len"), attrgetter("sent_first_output")
 _LOGPROBS, _REPORTS_AT_END = attrgetter("logprobs"), attrgetter("reports_at_end")
-_LAST_ONE = slice(-1, None)
 
 
 @dataclass
@@ -406,14 +405,11 @@ class LLMEngine:
         return True
 
     def _records_of_plain_step(self, step: "_Launched") -> list[CoreRecord]:
-        """``_records`` for a ``_plain_step``: one record per row, its one new token, built by C loops instead of
-        bytecode per row."""
-        outputs = self._plain_outputs
-        lengths = list(map(len, outputs))
-        collections.deque(map(setattr, step.rows, repeat("sent_token_len"), lengths), maxlen=0)
-        none = repeat(None)
-        return list(zip(step.batch.request_ids, map(getitem, outputs, repeat(_LAST_ONE)), none, none, none, none,
-                        none, none))
+        """``_records`` for a ``_plain_step``: one record for all its rows, their ids and their one new token each
+        (output_processor.CoreRecord), without bytecode per row."""
+        collections.deque(map(setattr, step.rows, repeat("sent_token_len"), map(len, self._plain_outputs)), maxlen=0)
+        result = step.outcome[0] if step.future is None else step.future.result()[0]
+        return [(step.batch.request_ids, list(result.sampled_token_ids))]
 
     @staticmethod
     def _record(child: Request, ended: bool, token_time: float) -> CoreRecord | None:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 #  raw prompt_logprobs (in the sequence's first record) or None, embedding (in its last) or None,
 #  metrics (RequestMetrics' fields after arrival_time, in the first and last record of a request's first
 #  sequence) or None). A request with ``reports_at_end`` (final-only, no stop strings) has one record, at its end.
+# Or, for the step of a persistent batch in which each row got one token and nothing else (LLMEngine's
+# ``_plain_step``), one record for all its rows: (sequence ids, their new token ids), one token each. That is one
+# object to build, pickle and read per step instead of one per row.
 CoreRecord = tuple
 
 
@@ -113,11 +116,14 @@ class OutputProcessor:
         stopped: list[tuple[str, str]] = []
         sequences = self._sequences
         for record in records:
+            if len(record) == 2:  # a plain step's rows: one new token each, nothing else
+                self._add_plain(record[0], record[1], touched, stopped)
+                continue
             sequence = sequences.get(record[0])
             if sequence is None or sequence.finish_reason is not None:
                 continue  # a stop string ended it here: the core's later work on it is not shown
             parent = sequence.parent
-            if record[2] is None and record[4] is None and record[7] is None:  # the usual: new tokens, nothing else
+            if record[2] is None and record[4] is None and record[7] is None:  # new tokens, nothing else
                 touched[parent] = None
                 if self._add_tokens(sequence, record[1], None):
                     stopped.append((record[0], sequence.stop_reason))
@@ -148,6 +154,30 @@ class OutputProcessor:
                 for sequence in parent.sequences:
                     del sequences[sequence.request_id]
         return outputs, stopped
+
+    def _add_plain(self, request_ids: list[str], token_ids: list[int], touched: dict[_Request, None],
+                   stopped: list[tuple[str, str]]) -> None:
+        """``process`` for a plain step's record: each sequence's one new token."""
+        sequences, add = self._sequences, self._add_token
+        for request_id, token_id in zip(request_ids, token_ids):
+            sequence = sequences.get(request_id)
+            if sequence is None or sequence.finish_reason is not None:
+                continue  # a stop string ended it here: the core's later work on it is not shown
+            touched[sequence.parent] = None
+            if add(sequence, token_id):
+                stopped.append((request_id, sequence.stop_reason))
+
+    def _add_token(self, sequence: _Sequence, token_id: int) -> bool:
+        """``_add_tokens`` for one token without logprobs, the usual case: this runs for every row of every step."""
+        decoder = sequence.decoder
+        if decoder is None:
+            return self._add_tokens(sequence, [token_id], None)
+        sequence.token_ids.append(token_id)
+        piece = decoder.step(token_id)
+        if piece:
+            sequence.text += piece
+            return bool(sequence.stop) and self._cut_at_stop_string(sequence, len(sequence.text) - len(piece))
+        return False
 
     def _add_tokens(self, sequence: _Sequence, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> bool:
         """Append ``token_ids`` (their ``logprobs``, when asked for), each checked for a stop string; True if one

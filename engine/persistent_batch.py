@@ -81,6 +81,9 @@ class PersistentBatch:
         self.due: list[list[int]] = [[] for _ in range(block_size)]
         for row, phase in enumerate((room % block_size).tolist()):
             self.due[phase].append(row)
+        # Of each step this batch scheduled and that is not applied yet, oldest first: the rows whose KV fills a
+        # block in it (reaching the block's end: the rows that need a new block in the step after).
+        self._filling: deque[list[int]] = deque()
         self.stop_ids: list[frozenset[int]] = list(map(_STOP_IDS, rows))
         # When every row stops on the same tokens (the usual: the model's eos, or nothing), one set to test.
         shared = self.stop_ids[0] if count and self.stop_ids.count(self.stop_ids[0]) == count else None
@@ -110,6 +113,7 @@ class PersistentBatch:
         for row in self.due[self.step % self.block_size]:  # rows whose last block is full: ~1 in block_size
             if not kv.allocate(request_ids[row], int(computed[row]) + 1):
                 return None
+        self._filling.append(self.due[(self.step + 1) % self.block_size])
         self.step += 1
         starts = computed.tolist()
         computed += 1
@@ -153,7 +157,10 @@ class PersistentBatch:
         rows = self.rows
         return [row for row in sorted(candidates) if rows[row].stops_at(token_ids[row])]
 
-    def rows_filling_a_block(self, ends: list[int]) -> list[int]:
-        """Rows whose KV reached a block boundary in the step that reached ``ends``: only they can have a new full
-        block to hash into the prefix cache."""
+    def rows_filling_a_block(self, ends: list[int], scheduled_here: bool) -> list[int]:
+        """Rows whose KV reached a block boundary in the step that reached ``ends`` (the oldest step not applied
+        yet): only they can have a new full block to hash into the prefix cache. Known in advance for a step this
+        batch scheduled; one an earlier batch of the same rows scheduled is looked at."""
+        if scheduled_here:
+            return self._filling.popleft()
         return list(compress(range(len(ends)), map(not_, map(mod, ends, repeat(self.block_size)))))

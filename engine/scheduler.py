@@ -341,7 +341,7 @@ class Scheduler:
         # have been rebuilt meanwhile from the same rows, after a general step: it mirrors the requests either way.)
         batch = self._persistent
         if kept is not None and batch is not None and batch.rows is requests and None not in sampled_token_ids:
-            return self._update_persistent(batch, ends, sampled_token_ids)
+            return self._update_persistent(batch, ends, sampled_token_ids, kept is batch)
         self._persistent = None  # the general path below changes what its arrays mirror
         self.last_update_kept = False
         if proposed_by_row:
@@ -375,14 +375,17 @@ class Scheduler:
         self._on_step_end()
         return advanced
 
-    def _update_persistent(self, batch: PersistentBatch, ends: list[int], token_ids: list[int]) -> list[Request]:
-        """``update`` for a step of the persistent batch: every row got one token."""
+    def _update_persistent(self, batch: PersistentBatch, ends: list[int], token_ids: list[int],
+                           scheduled_here: bool) -> list[Request]:
+        """``update`` for a step of the persistent batch (``batch``, or an earlier one of the same rows): every row
+        got one token."""
         if self.num_appended:
             self.num_appended = {}
         rows = batch.rows
         finished = [rows[row] for row in batch.apply(token_ids)]
+        filling = batch.rows_filling_a_block(ends, scheduled_here)  # (taken either way: the batch counts steps)
         if self.kv.enable_prefix_caching:  # one token a step: a block fills exactly when the KV reaches its end
-            for row in batch.rows_filling_a_block(ends):
+            for row in filling:
                 self._cache_filled(rows[row], ends[row])
         for request in finished:
             self.finish(request, request.finish_reason)

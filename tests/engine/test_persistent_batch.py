@@ -194,3 +194,18 @@ def test_the_persistent_batch_hashes_each_block_a_decode_step_fills_into_the_pre
             assert kv.num_hashed_blocks(request.request_id) == request.num_computed_tokens // block_size
             checked += 1
     assert checked > 60 and engine.scheduler.num_persistent_steps > 20
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_what_the_batch_keeps_per_step_in_flight_does_not_grow_without_prefix_caching(async_scheduling):
+    """The rows filling a block are noted per step scheduled and taken when it is applied, cache or no cache."""
+    engine = engine_for(async_scheduling, True, enable_prefix_caching=False)
+    for i in range(3):
+        engine.add_request(f"r{i}", DECODE_PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    longest = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        batch = engine.scheduler._persistent
+        if batch is not None:
+            longest = max(longest, len(batch._filling))
+    assert engine.scheduler.num_persistent_steps > 20 and longest <= (2 if async_scheduling else 1)
