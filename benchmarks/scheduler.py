@@ -83,9 +83,9 @@ def build_engine(args, async_scheduling: bool = False):
     engine = LLMEngine("demo-tiny", device="cpu", num_threads=1, batching=args.batching,
                        max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
                        block_size=args.block_size, num_kv_blocks=args.num_requests * blocks_per_request,
-                       max_model_len=args.prompt_len + args.max_tokens, async_scheduling=async_scheduling)
+                       max_model_len=args.prompt_len + args.max_tokens, async_scheduling=async_scheduling,
+                       persistent_batch=args.persistent_batch == "on")
     engine.runner.execute = StandInDevice(args.device_ms)
-    engine.scheduler.use_persistent_batch = args.persistent_batch == "on"
     return engine
 
 
@@ -258,7 +258,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "the host sees it): the async loop hides its host work behind it")
     parser.add_argument("--persistent-batch", default="on", choices=["on", "off"],
                         help="decode steps over an unchanged running set from the scheduler's persistent batch (on, "
-                             "the engine's default) or through the general path every step (off: for comparison)")
+                             "the engine's default) or through the general path every step (off: engine argument "
+                             "persistent_batch=False, for comparison)")
     parser.add_argument("--loops", default="sync,async",
                         help="which engine loops to time, comma-separated: sync, async")
     parser.add_argument("--no-settle-heap", dest="settle_heap", action="store_false",

@@ -155,8 +155,11 @@ def main() -> None:
                         "configs/demo.yaml")
     parser.add_argument("--stream-channel", choices=("on", "off"), default="on", help="tokens from the replica to "
                         "the router on the stream channel (the app's default) or as items of Serve's calls")
+    parser.add_argument("--persistent-batch", choices=("on", "off"), default="on", help="the engine's persistent "
+                        "batch (its default), or the general path every step; offline, direct and served alike")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
+    ENGINE_ARGS["persistent_batch"] = args.persistent_batch == "on"
 
     import torch
 

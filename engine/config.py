@@ -58,6 +58,9 @@ class EngineConfig:
     # visit the host first); step N's outputs are processed meanwhile too. None (auto): on for continuous
     # batching on CUDA. On a CPU the forward shares the cores with the host work, so it is off there unless asked.
     async_scheduling: bool | None = None
+    # Decode steps over an unchanged running set from a batch kept across steps (engine/persistent_batch.py),
+    # continuous batching only. False: the general path schedules every step (for comparison; same results).
+    persistent_batch: bool = True
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
     # Requests that generate nothing (prompt scoring with max_tokens=0, embeddings) take the prefill lane
@@ -128,6 +131,8 @@ class EngineConfig:
             raise bad("swap_space_bytes", "must be > 0 when preemption_mode is 'swap'")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be true or false")
+        if not isinstance(self.persistent_batch, bool):
+            raise bad("persistent_batch", "must be true or false")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be true, false or None (auto)")
         if self.async_scheduling and self.batching == "static":

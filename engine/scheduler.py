@@ -54,7 +54,7 @@ class Scheduler:
         # The persistent batch (persistent_batch.py): while the running set stays what it was when the general path
         # last scheduled a batch of decodes over all of it (``_decode_rows``), decode steps run from that batch.
         # ``_running_changes`` counts changes to the running set; the batch is dropped at each.
-        self.use_persistent_batch = self.keeps_decode_batch
+        self.use_persistent_batch = self.keeps_decode_batch and config.persistent_batch
         self._fcfs_admission = config.scheduling_policy == "fcfs" and config.max_queue_wait_s is None
         self._running_changes = 0
         self._decode_rows: list[Request] | None = None

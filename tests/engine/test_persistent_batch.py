@@ -2,7 +2,7 @@
 (engine/persistent_batch.py), and must give exactly what the general path gives.
 
 Each workload runs twice per loop (synchronous and async scheduling), with the persistent batch on and off
-(``Scheduler.use_persistent_batch``), driven step by step with the same additions and aborts: every request's
+(the engine argument ``persistent_batch``), driven step by step with the same additions and aborts: every request's
 streamed tokens, text, finish and stop reasons must match; the batch must really have run (most decode steps);
 the prefix cache must have hashed the same decoded blocks; every KV block must be free at the end.
 """
@@ -59,9 +59,14 @@ def decoded_prefix() -> list[int]:
 
 
 def engine_for(async_scheduling: bool, persistent: bool, **overrides):
-    engine = make_engine(async_scheduling=async_scheduling, **overrides)
-    engine.scheduler.use_persistent_batch = persistent
-    return engine
+    return make_engine(async_scheduling=async_scheduling, persistent_batch=persistent, **overrides)
+
+
+def test_persistent_batch_is_a_checked_engine_argument_and_static_batching_has_none():
+    with pytest.raises(ValueError, match="persistent_batch"):
+        make_engine(persistent_batch="yes")
+    assert not make_engine(batching="static").scheduler.use_persistent_batch
+    assert make_engine().scheduler.use_persistent_batch
 
 
 def assert_same_results(requests, got_seen, got_final, want_seen, want_final) -> None:
