@@ -169,9 +169,7 @@ class OutputProcessor:
 
     def _add_token(self, sequence: _Sequence, token_id: int) -> bool:
         """``_add_tokens`` for one token without logprobs, the usual case: this runs for every row of every step."""
-        decoder = sequence.decoder
-        if decoder is None:
-            return self._add_tokens(sequence, [token_id], None)
+        decoder = sequence.decoder or self._start_decoding(sequence)
         sequence.token_ids.append(token_id)
         piece = decoder.step(token_id)
         if piece:
@@ -179,22 +177,19 @@ class OutputProcessor:
             return bool(sequence.stop) and self._cut_at_stop_string(sequence, len(sequence.text) - len(piece))
         return False
 
+    def _start_decoding(self, sequence: _Sequence):
+        """The sequence's incremental decoder, fed a continued sequence's earlier tokens (if any)."""
+        decoder = sequence.decoder = self.tokenizer.decode_stream(sequence.skip_special_tokens)
+        for token_id in sequence.token_ids:
+            sequence.text += decoder.step(token_id) or ""
+        return decoder
+
     def _add_tokens(self, sequence: _Sequence, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> bool:
         """Append ``token_ids`` (their ``logprobs``, when asked for), each checked for a stop string; True if one
         ended the sequence (the tokens after it go: they would not have been generated)."""
-        decoder = sequence.decoder
-        if decoder is None:
-            decoder = sequence.decoder = self.tokenizer.decode_stream(sequence.skip_special_tokens)
-            for token_id in sequence.token_ids:  # a continued sequence's earlier tokens (if any)
-                sequence.text += decoder.step(token_id) or ""
-        if len(token_ids) == 1 and logprobs is None:  # the usual, unrolled: this runs for every row of every step
-            token_id = token_ids[0]
-            sequence.token_ids.append(token_id)
-            piece = decoder.step(token_id)
-            if piece:
-                sequence.text += piece
-                return bool(sequence.stop) and self._cut_at_stop_string(sequence, len(sequence.text) - len(piece))
-            return False
+        if len(token_ids) == 1 and logprobs is None:
+            return self._add_token(sequence, token_ids[0])
+        decoder = sequence.decoder or self._start_decoding(sequence)
         with_logprobs = logprobs is not None and sequence.logprobs is not None
         for i, token_id in enumerate(token_ids):
             sequence.token_ids.append(token_id)
