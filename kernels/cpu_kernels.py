@@ -84,6 +84,7 @@ def load() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
+        "causal_attention_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, i32],
         "paged_decode_attention_f32": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32],
         "rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32],
         "silu_and_mul_f32": [ptr, ptr, i64, i64, i64, i32],
@@ -111,6 +112,23 @@ def _check_index(*tensors: torch.Tensor) -> None:
     # The kernels read these through raw int64 pointers: another dtype would read the wrong memory.
     for t in tensors:
         assert t.dtype == torch.int64 and t.device.type == "cpu", "block tables, lengths and slots must be int64"
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prompt chunk with nothing cached before it attending to itself, causally.
+
+    query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim] float32 (head_dim
+    at most 256, num_heads a multiple of num_kv_heads). Returns like query."""
+    lib = _lib()
+    _check(query, key, value)
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    assert head_dim <= 256 and num_heads % num_kv_heads == 0, "head_dim <= 256, whole groups of query heads"
+    out = torch.empty_like(query)
+    lib.causal_attention_f32(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), num_tokens,
+                             num_heads, num_kv_heads, head_dim, scale, torch.get_num_threads())
+    return out
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

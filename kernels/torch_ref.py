@@ -129,8 +129,7 @@ class TorchPagedAttention(AttentionBackend):
             q_len = row.token_end - row.token_start
             if row.blocks is None:  # nothing cached before the chunk: it attends to itself only
                 rows = slice(row.token_start, row.token_end)
-                out[rows] = dense_prefill_attention(query[rows], key[rows], value[rows],
-                                                    DensePrefillMetadata([q_len]), scale)
+                out[rows] = self._self_attention(query[rows], key[rows], value[rows], scale)
                 continue
             q = query[row.token_start:row.token_end].transpose(0, 1)  # [num_heads, q_len, head_dim]
             k = _gather_context(k_cache, row.blocks, row.seq_len)  # [num_kv_heads, seq_len, head_dim]
@@ -139,6 +138,11 @@ class TorchPagedAttention(AttentionBackend):
             o = _causal_attention(q, k, v, row.seq_len - q_len, scale, metadata.causal_tile)
             out[row.token_start:row.token_end] = o.reshape(num_heads, q_len, -1).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _self_attention(query, key, value, scale: float) -> torch.Tensor:
+        """A chunk with nothing cached before it, attending to itself causally ([tokens, heads, head_dim])."""
+        return dense_prefill_attention(query, key, value, DensePrefillMetadata([query.shape[0]]), scale)
 
     def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         """Split-KV decode (flash-decoding): each row's context is cut into fixed-size chunks, every chunk is

@@ -248,6 +248,33 @@ def test_backend_matches_torch_backend_on_a_mixed_batch(num_kv_heads, bs):
     torch.testing.assert_close(cpu_out.double(), torch.cat(refs), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 7, 8, 9, 33, 300])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 8, 32), (8, 2, 64), (4, 1, 48), (2, 2, 128)])
+def test_causal_attention_matches_dense_attention(num_tokens, num_heads, num_kv_heads, head_dim):
+    """A fresh prompt's self-attention (tiles of 8 rows, keys 16 at a time: lengths around and across both),
+    against float64 SDPA with the same grouping of query heads."""
+    seed = num_tokens * 7 + head_dim
+    query = randn(num_tokens, num_heads, head_dim, seed=seed)
+    key, value = randn(num_tokens, num_kv_heads, head_dim, seed=seed + 1), randn(num_tokens, num_kv_heads, head_dim,
+                                                                              seed=seed + 2)
+    scale = head_dim ** -0.5
+    got = cpu_kernels.causal_attention(query, key, value, scale)
+    want = F.scaled_dot_product_attention(*(t.double().transpose(0, 1)[None] for t in (query, key, value)),
+                                          is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads)
+    assert got.shape == query.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want[0].transpose(0, 1), atol=1e-5, rtol=1e-4)
+
+
+def test_causal_attention_reads_no_token_after_a_row():
+    """Row t's output depends on tokens 0..t only: poisoning every later token's key and value changes nothing
+    before it."""
+    query, key, value = randn(40, 4, 32, seed=1), randn(40, 4, 32, seed=2), randn(40, 4, 32, seed=3)
+    clean = cpu_kernels.causal_attention(query, key, value, 0.2)
+    key[20:], value[20:] = float("nan"), float("nan")
+    poisoned = cpu_kernels.causal_attention(query, key, value, 0.2)
+    assert torch.equal(poisoned[:20], clean[:20]) and poisoned[20:].isnan().all()
+
+
 @pytest.mark.parametrize("fill", ["garbage", float("nan")])
 @pytest.mark.parametrize("kind", ["mixed", "decode", "prefill"])
 def test_backend_never_reads_unwritten_slots(kind, fill):
@@ -339,7 +366,8 @@ def test_results_do_not_depend_on_the_thread_count(restore_threads):
         cpu_kernels.store_kv(key, value, k_cache, v_cache, slots)
         return [kernel_decode(query, ctx, 0.125), cpu_kernels.rms_norm(x, weight, 1e-5),
                 cpu_kernels.rms_norm(x, weight, 1e-5, r), r, cpu_kernels.silu_and_mul(gate_up),
-                cpu_kernels.apply_rope(qk, angles.cos(), angles.sin()), k_cache, v_cache]
+                cpu_kernels.apply_rope(qk, angles.cos(), angles.sin()), k_cache, v_cache,
+                cpu_kernels.causal_attention(qk, key, value, 0.125)]
 
     results = {}
     for num_threads in (1, 2):
