@@ -70,6 +70,9 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         # Called after every step with (seconds, rows in the batch), on the thread that reports: metrics hang here.
         self.step_observer: Callable[[float, int], None] | None = None
+        # Called once, on the thread that found it, if the engine dies while not being shut down (its process
+        # killed or crashed, its step loop raised): after every waiting stream was handed the error.
+        self.death_observer: Callable[[BaseException], None] | None = None
         if engine_cpus and not engine_process:
             raise ValueError("engine_cpus needs engine_process=True (the CPUs are the engine process's)")
         if engine_process:
@@ -240,6 +243,8 @@ class AsyncLLMEngine:
         self._dead = error
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._fail_all, error)
+        if self.death_observer is not None and not self._stopping:
+            self.death_observer(error)
 
     # -- on the event loop -----------------------------------------------------------------------
     def _deliver(self, records: list[CoreRecord]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any, AsyncIterator
 
@@ -65,6 +66,7 @@ class LLMReplica:
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self._stats_task: asyncio.Task | None = None
         self.outbox = StreamOutbox()
+        self.engine.death_observer = _exit_without_an_engine
 
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -291,6 +293,17 @@ class LLMReplica:
             except Exception:  # metrics must never take the replica down
                 logger.exception("failed to publish engine metrics")
             await asyncio.sleep(STATS_PERIOD_S)
+
+
+def _exit_without_an_engine(error: BaseException) -> None:
+    """A replica whose engine died can serve nothing: it exits now, as if its process had been killed. Its routers
+    see it gone at once (their streams on it continue on other replicas, requests that had not started are retried
+    there), and Serve replaces it. Alive, it would look idle to least-loaded routing and draw every retry until a
+    health check failed (seen: a request retried three times onto it, then answered 503)."""
+    logger.error("the engine died (%r): this replica exits so that Serve replaces it", error)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
 
 
 def _continuations(continue_from: list[dict[str, Any]] | None) -> dict[int, Continuation] | None:

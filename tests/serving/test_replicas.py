@@ -9,7 +9,10 @@ Four batch slots per replica, so a modest load keeps requests waiting in the eng
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -277,6 +280,58 @@ def test_streams_cut_by_a_killed_replica_continue_exactly(two, ray_cluster):
     _wait_for_migrations_above(migrations_before)  # the kill happened mid-generation: some streams continued
     wait_for_stats(lambda s: len(s["replicas"]) == 2 and victim not in _replica_ids(s), base_url=two, timeout=60,
                    what="2 replicas again, the killed one replaced")
+
+
+def _engine_process_of(ray, replica_id: str) -> int:
+    """The pid of the engine process under replica ``replica_id`` (the replica actor's one child process)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#")
+             and a["name"].endswith("#" + replica_id)]
+    assert len(names) == 1, names
+    actor = ray.get_actor(names[0], namespace="serve")
+    parent = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == parent:  # the field after the state is the parent's pid
+            children.append(int(stat.parent.name))
+    assert len(children) == 1, (parent, children)
+    return children[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240, func_only=True)
+def test_streams_whose_replica_lost_its_engine_continue_exactly(two, ray_cluster):
+    """The engine's process of the busier replica killed mid-stream (its replica lives on, failing its health
+    checks until Serve replaces it): its streams continue on the other replica with exactly the tokens of an
+    undisturbed run, and no client sees an error."""
+    bodies = [body for body in _migration_bodies() if body.get("temperature") == 0.0]
+
+    async def run(kill: bool) -> list:
+        wait_idle(two, timeout=60, num_replicas=2)
+        async with httpx.AsyncClient(timeout=120.0, limits=httpx.Limits(max_connections=64)) as client:
+            tasks = [asyncio.create_task(_post(client, two, body)) for body in bodies]
+            if kill:
+                stats = await asyncio.to_thread(wait_for_stats, lambda s: len(s["replicas"]) == 2 and all(
+                    r["num_running"] >= 2 for r in s["replicas"]), base_url=two, timeout=30, interval=0.05,
+                    what="both replicas generating")
+                victim = max(stats["replicas"], key=lambda r: r["num_running"])["replica_id"]
+                os.kill(_engine_process_of(ray_cluster, victim), signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 180)
+
+    undisturbed = asyncio.run(run(kill=False))
+    migrations_before = _migrations_total()
+    disturbed = asyncio.run(run(kill=True))
+    for i, ((status_a, a), (status_b, b)) in enumerate(zip(undisturbed, disturbed)):
+        assert status_a == 200 and status_b == 200, (i, status_a, status_b)
+        assert a.done and not a.errors and b.done and not b.errors, (i, b.errors)
+        n = bodies[i]["n"]
+        assert _choices(b, n) == _choices(a, n), f"stream {i} differs"
+    _wait_for_migrations_above(migrations_before)
+    wait_idle(two, timeout=90, num_replicas=2)  # the replica without an engine is replaced
 
 
 def _wait_for_migrations_above(before: float, timeout: float = 30.0) -> None:
