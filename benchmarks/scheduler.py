@@ -320,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}, "machine": describe_machine(),
     }
     print_table(f"microseconds per step, {args.num_requests} requests decoding ({args.batching}, persistent batch "
-                f"{args.persistent_batch}), stand-in device {args.device_ms:g} ms", ["loop", "wall", "device (slept)", "overhead (wall - device)", "host thread CPU"],
+                f"{args.persistent_batch}), stand-in device {args.device_ms:g} ms",
+                ["loop", "wall", "device (slept)", "overhead (wall - device)", "host thread CPU"],
                 [[name, loop["wall_us_per_step"], loop["device_us_per_step"], loop["overhead_us_per_step"],
                   loop["cpu_us_per_step"]] for name, loop in loops.items()])
     verdicts = []

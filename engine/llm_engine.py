@@ -18,6 +18,7 @@ from engine.models.source import read_model_source
 from engine.model_runner import ModelRunner, PromptOutput, RunnerOutput, SharedBudget, resolve_device, resolve_dtype
 from engine.output_processor import CoreRecord, OutputProcessor
 from engine.outputs import RequestOutput
+from engine.persistent_batch import consume
 from engine.prefill_lane import PrefillLane
 from engine.request import Continuation, Request, RequestStatus
 from engine.sampler import SamplingBatch
@@ -407,7 +408,7 @@ class LLMEngine:
     def _records_of_plain_step(self, step: "_Launched") -> list[CoreRecord]:
         """``_records`` for a ``_plain_step``: one record for all its rows, their ids and their one new token each
         (output_processor.CoreRecord), without bytecode per row."""
-        collections.deque(map(setattr, step.rows, repeat("sent_token_len"), map(len, self._plain_outputs)), maxlen=0)
+        consume(map(setattr, step.rows, repeat("sent_token_len"), map(len, self._plain_outputs)))
         result = step.outcome[0] if step.future is None else step.future.result()[0]
         return [(step.batch.request_ids, list(result.sampled_token_ids))]
 

@@ -33,8 +33,9 @@ _ALL, _OUTPUT, _STOP_IDS = attrgetter("all_token_ids"), attrgetter("output_token
 _MAX_TOTAL, _PARAMS, _LAST = attrgetter("max_total_tokens"), attrgetter("params"), itemgetter(-1)
 
 
-def _consume(iterator) -> None:
-    deque(iterator, maxlen=0)  # runs a map of side effects to its end, in C
+def consume(iterator) -> None:
+    """Run a ``map`` of side effects (``setattr``, ``list.append``) to its end: a loop in C, not in bytecode."""
+    deque(iterator, maxlen=0)
 
 
 def _array(values, count: int) -> np.ndarray:
@@ -70,9 +71,9 @@ class PersistentBatch:
         # Every row owes the same number of in-flight tokens (0 in the synchronous loop, 1 with async scheduling)
         # and has exactly one token to compute: else the batch never schedules (the general path decides).
         pending = set(map(_PENDING, rows))
-        self.num_pending = pending.pop() if len(pending) == 1 else 0
-        self.usable = (len(pending) == 0 and count > 0
-                       and bool((num_tokens + self.num_pending - self.computed == 1).all()))
+        uniform = len(pending) == 1
+        self.num_pending = pending.pop() if uniform else 0
+        self.usable = uniform and bool((num_tokens + self.num_pending - self.computed == 1).all())
         # Rows whose last block is full at step k (their KV reaches the block's end) fill one block every
         # block_size steps: bucketed by k % block_size, each step looks up its rows instead of comparing arrays.
         self.block_size = block_size = kv.block_size
@@ -123,8 +124,8 @@ class PersistentBatch:
             start_positions=starts, block_tables=list(self.tables), sample=[True] * count,
             padding=[False] * count, placeholder_rows=placeholder_rows)
         self.num_pending = num_pending = num_pending + 1
-        _consume(map(setattr, self.rows, repeat("num_computed_tokens"), ends))
-        _consume(map(setattr, self.rows, repeat("num_pending_tokens"), repeat(num_pending, count)))
+        consume(map(setattr, self.rows, repeat("num_computed_tokens"), ends))
+        consume(map(setattr, self.rows, repeat("num_pending_tokens"), repeat(num_pending, count)))
         return out, ends
 
     def sampled_output_counts(self) -> list[int]:
@@ -137,10 +138,10 @@ class PersistentBatch:
         count = self.num_rows
         self.num_pending -= 1
         self.num_appended += 1
-        _consume(map(list.append, self.output_lists, token_ids))
-        _consume(map(list.append, self.all_lists, token_ids))
+        consume(map(list.append, self.output_lists, token_ids))
+        consume(map(list.append, self.all_lists, token_ids))
         self.last_token_ids = token_ids
-        _consume(map(setattr, self.rows, repeat("num_pending_tokens"), repeat(self.num_pending, count)))
+        consume(map(setattr, self.rows, repeat("num_pending_tokens"), repeat(self.num_pending, count)))
         # Which rows to look at: a token in the row's stop set (C loops over set lookups; numpy's isin costs more
         # at these sizes), or a row at its length limit (only once the countdown says one may be).
         shared = self.shared_stop_ids

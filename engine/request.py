@@ -201,11 +201,8 @@ class Request:
         output_token_ids, all_token_ids = self.output_token_ids, self.all_token_ids
         output_token_ids.append(token_id)
         all_token_ids.append(token_id)
-        if token_id in self.stop_ids and len(output_token_ids) >= self.params.min_tokens:
+        if token_id in self.stop_ids or len(all_token_ids) >= self.max_total_tokens:  # the usual: neither
             return self.stops_at(token_id)
-        if len(all_token_ids) >= self.max_total_tokens:
-            self.finish_reason = "length"
-            return True
         return False
 
     def stops_at(self, token_id: int) -> bool:

@@ -368,6 +368,7 @@ class Scheduler:
                 finished.append(request)
                 self._ended_without_token.append(request)
             # after the tokens are appended: a speculative row's valid KV reaches into them
+            # (_cache_filled's first test, inline: this runs for every row, and a block fills for ~1 in block_size)
             if caching and end >= (num_hashed_blocks(request.request_id) + 1) * block_size:
                 self._cache_filled(request, end)
         for request in finished:

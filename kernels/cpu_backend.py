@@ -2,8 +2,8 @@
 
 A prefill chunk after cached context keeps ``TorchPagedAttention``'s path: its context is gathered once and
 shared by all its query tokens, so the copy is cheap next to the matmuls that follow. A chunk with nothing cached
-before it (a fresh prompt) attends to itself through ``cpu_kernels.causal_attention``, which at head_dim 32 is
-1.3-1.6x faster than torch's fused SDPA (docs/benchmarks.md). A decode row has a single
+before it (a fresh prompt) attends to itself through ``cpu_kernels.causal_attention``, 1.2-1.8x faster than
+torch's fused SDPA at 50-800 tokens (docs/benchmarks.md). A decode row has a single
 query token, and there the gather is the whole cost: ``kernels.cpu_kernels.paged_decode_attention``
 reads each row's K and V in place instead (same cache layout). Storing K/V and the model's norms,
 RoPE and SiLU-and-mul also run as single-pass kernels (``elementwise_ops``).

@@ -125,4 +125,4 @@ ERROR_STATUSES = {cls.status_code: cls.__name__ for cls in _KINDS.values() if cl
 class EngineLost(RuntimeError):
     """A replica's engine died under a request (its process killed or crashed): between the replica and the
     router, never an HTTP answer. The router treats the replica as lost: the request is retried, or its stream
-    continued, on another replica, and the replica's failing health check has Serve replace it."""
+    continued, on another replica. (The replica exits right after: ``replica._exit_without_an_engine``.)"""
