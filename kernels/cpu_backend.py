@@ -34,6 +34,8 @@ class CpuPagedAttention(TorchPagedAttention):
 
     @staticmethod
     def _self_attention(query, key, value, scale: float) -> torch.Tensor:
+        if not cpu_kernels.causal_attention_supports(query.shape[-1]):
+            return TorchPagedAttention._self_attention(query, key, value, scale)
         return cpu_kernels.causal_attention(query, key, value, scale)
 
     def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:

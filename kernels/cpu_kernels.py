@@ -114,17 +114,24 @@ def _check_index(*tensors: torch.Tensor) -> None:
         assert t.dtype == torch.int64 and t.device.type == "cpu", "block tables, lengths and slots must be int64"
 
 
+def causal_attention_supports(head_dim: int) -> bool:
+    """Whether ``causal_attention`` takes heads of this size: it works on 32 columns of V at a time."""
+    return 0 < head_dim <= 256 and head_dim % 32 == 0
+
+
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """A prompt chunk with nothing cached before it attending to itself, causally.
 
     query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim] float32 (head_dim
-    at most 256, num_heads a multiple of num_kv_heads). Returns like query."""
+    a multiple of 32 up to 256, see ``causal_attention_supports``; num_heads a multiple of num_kv_heads).
+    Returns like query."""
     lib = _lib()
     _check(query, key, value)
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    assert head_dim <= 256 and num_heads % num_kv_heads == 0, "head_dim <= 256, whole groups of query heads"
+    assert causal_attention_supports(head_dim) and num_heads % num_kv_heads == 0, \
+        "head_dim a multiple of 32 up to 256, whole groups of query heads"
     out = torch.empty_like(query)
     lib.causal_attention_f32(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), num_tokens,
                              num_heads, num_kv_heads, head_dim, scale, torch.get_num_threads())

@@ -249,7 +249,7 @@ def test_backend_matches_torch_backend_on_a_mixed_batch(num_kv_heads, bs):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 8, 9, 33, 300])
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 8, 32), (8, 2, 64), (4, 1, 48), (2, 2, 128)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 8, 32), (8, 2, 64), (4, 1, 96), (2, 2, 128)])
 def test_causal_attention_matches_dense_attention(num_tokens, num_heads, num_kv_heads, head_dim):
     """A fresh prompt's self-attention (tiles of 8 rows, keys 16 at a time: lengths around and across both),
     against float64 SDPA with the same grouping of query heads."""
@@ -263,6 +263,15 @@ def test_causal_attention_matches_dense_attention(num_tokens, num_heads, num_kv_
                                           is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads)
     assert got.shape == query.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want[0].transpose(0, 1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [48, 80])
+def test_backend_sends_other_head_sizes_to_torch(head_dim):
+    """The kernel takes heads in multiples of 32; a fresh prompt with other heads goes through torch's attention
+    and still matches the float64 reference."""
+    assert not cpu_kernels.causal_attention_supports(head_dim)
+    out, ref = run_case(CpuPagedAttention(), batch_rows("prefill", 4), NUM_HEADS // 2, head_dim, 4, fill=0.0, seed=5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
 
 
 def test_causal_attention_reads_no_token_after_a_row():
