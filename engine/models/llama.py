@@ -8,7 +8,7 @@ fused, so a layer is a handful of matmuls; ``engine.models.loader`` splits Huggi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,11 +71,17 @@ class Attention(nn.Module):
         ops = fused_ops(backend)
         self.rope = ops.apply_rope if ops is not None else apply_rope
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache | None, metadata: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache | None, metadata: Any,
+                num_tokens: int | None = None) -> torch.Tensor:
         """With ``kv_cache`` None (``metadata`` a ``DensePrefillMetadata``) the batch is whole prompts that touch
-        no cache; otherwise the backend stores the new K/V and attends through the paged cache."""
-        num_tokens = x.shape[0]
+        no cache; otherwise the backend stores the new K/V and attends through the paged cache. ``num_tokens``:
+        the real tokens when ``x`` carries padding rows after them (``CausalLM.row_padding``); those rows go
+        through the projections but never reach the cache or the attention."""
+        rows = x.shape[0]
+        num_tokens = rows if num_tokens is None else num_tokens
         qkv = self.qkv_proj(x)
+        if num_tokens != rows:
+            qkv = qkv[:num_tokens]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
@@ -91,7 +97,10 @@ class Attention(nn.Module):
             k_cache, v_cache = kv_cache
             self.backend.store_kv(k, v, k_cache, v_cache, metadata)
             out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        if num_tokens != rows:
+            out = F.pad(out, (0, 0, 0, rows - num_tokens))
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -120,14 +129,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache | None,
-                metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                metadata: Any, num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): each residual add is fused into the
         norm that follows it; the caller adds the last one."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, metadata)
+        h = self.self_attn(h, rope, kv_cache, metadata, num_tokens)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -144,7 +153,13 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """``forward`` returns hidden states of every token; ``compute_logits`` only for the rows sampled."""
+    """``forward`` returns hidden states of every token; ``compute_logits`` only for the rows sampled.
+
+    ``row_padding``: None, or the row count a forward of n tokens runs with (n's bucket, see
+    ``engine.models.cpu_packing``): the tokens are padded once at the embedding, instead of at every linear,
+    and the padding rows are dropped from the result."""
+
+    row_padding: Callable[[int], int] | None = None
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
@@ -162,13 +177,18 @@ class CausalLM(nn.Module):
                 metadata: Any) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] before the final norm. ``kv_caches`` None: a prefill-only lane
         batch (``metadata`` is a ``DensePrefillMetadata``), attended without any cache."""
-        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        num_tokens = input_ids.shape[0]
+        rows = self.row_padding(num_tokens) if self.row_padding is not None else num_tokens
+        if rows != num_tokens:  # padding rows (token 0), dropped below; attention and RoPE see only real tokens
+            input_ids = F.pad(input_ids, (0, rows - num_tokens))
+        x = self.model.embed_tokens(input_ids)  # [rows, hidden]
         rope = self.rotary.tables(positions)
         residual = None
         caches = kv_caches if kv_caches is not None else [None] * len(self.model.layers)
         for layer, kv_cache in zip(self.model.layers, caches):
-            x, residual = layer(x, residual, rope, kv_cache, metadata)
-        return x + residual
+            x, residual = layer(x, residual, rope, kv_cache, metadata, num_tokens)
+        hidden = x + residual
+        return hidden[:num_tokens] if rows != num_tokens else hidden
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm: what transformers calls ``last_hidden_state`` (embeddings pool it)."""

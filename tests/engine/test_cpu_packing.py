@@ -71,3 +71,37 @@ def test_a_padded_row_count_gives_each_row_the_same_bits(rows):
         alone = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
         assert cpu_packing.padded_rows(rows) != rows
         assert torch.equal(layer(x), alone)
+
+
+def test_engine_pads_a_forward_once_and_drops_the_padding(checkpoint):
+    """The engine's model pads a prefill chunk's tokens to their bucket once (not at every linear): the real
+    tokens' hidden states are bit for bit those of a forward without padding, and greedy decoding after
+    unbucketed prompts of 45 and 300 tokens gives transformers' tokens."""
+    from tests.checkpoints import hf_greedy
+    from tests.engine.helpers import generate_ids, greedy, make_engine, random_prompts
+
+    path = checkpoint("llama")
+    engine = make_engine(path, max_num_batched_tokens=512, block_size=16, num_kv_blocks=64)
+    model = engine.runner.model
+    assert model.row_padding is cpu_packing.padded_rows
+    prompts = [random_prompts(1, 45, 45, seed=1)[0], random_prompts(1, 300, 300, seed=2)[0]]
+    assert all(cpu_packing.padded_rows(len(p)) != len(p) for p in prompts)
+    assert generate_ids(engine, prompts, greedy(5)) == [hf_greedy(path, p, 5) for p in prompts]
+
+    calls: list[int] = []
+    first = model.model.layers[0].self_attn.qkv_proj
+    hook = first.register_forward_pre_hook(lambda _module, args: calls.append(args[0].shape[0]))
+    ids = torch.tensor(prompts[0])
+    with torch.inference_mode():
+        padded = model(ids, torch.arange(len(ids)), None, _dense_metadata(len(ids)))
+        model.row_padding = None
+        plain = model(ids, torch.arange(len(ids)), None, _dense_metadata(len(ids)))
+    hook.remove()
+    assert calls == [cpu_packing.padded_rows(45), 45]  # the linears saw the bucket, then the plain count
+    assert padded.shape == plain.shape == (45, model.config.hidden_size) and torch.equal(padded, plain)
+
+
+def _dense_metadata(num_tokens: int):
+    from kernels.dense_prefill import DensePrefillMetadata
+
+    return DensePrefillMetadata([num_tokens])
