@@ -39,5 +39,9 @@ class CpuPagedAttention(TorchPagedAttention):
         return cpu_kernels.causal_attention(query, key, value, scale)
 
     def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        if not cpu_kernels.decode_attention_supports(query.shape[-1]):  # torch's split-KV decode, chunks made once
+            if metadata.decode_blocks is None:
+                super()._prepare_decode(metadata, k_cache.shape[2])
+            return super()._decode(query, k_cache, v_cache, metadata, scale)
         return cpu_kernels.paged_decode_attention(query, k_cache, v_cache, metadata.decode_tables,
                                                   metadata.decode_seq_lens, scale)

@@ -138,12 +138,18 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out
 
 
+def decode_attention_supports(head_dim: int) -> bool:
+    """Whether ``paged_decode_attention`` takes heads of this size: it reads keys 16 floats at a time."""
+    return 0 < head_dim <= 256 and head_dim % 16 == 0
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per row against its paged context, read in place.
 
     query [num_rows, num_heads, head_dim] float32; caches [num_kv_heads, num_blocks, block_size, head_dim]
-    float32; block_tables [num_rows, max_blocks] int64; seq_lens [num_rows] int64 (>= 1). Returns like query.
+    float32 (head_dim a multiple of 16 up to 256, see ``decode_attention_supports``); block_tables [num_rows,
+    max_blocks] int64; seq_lens [num_rows] int64 (>= 1). Returns like query.
     """
     lib = _lib()
     _check(query, k_cache, v_cache)
@@ -155,6 +161,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     assert num_heads // num_kv_heads <= 64, "at most 64 query heads per kv head"
+    assert decode_attention_supports(head_dim), "head_dim a multiple of 16 up to 256"
     out = torch.empty_like(query)
     lib.paged_decode_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],

@@ -114,7 +114,7 @@ def kernel_decode(query, ctx, scale):
 
 
 @pytest.mark.parametrize("bs", [1, 16, 32])
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])  # 48: the kernel's runtime head size
 @pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1])
 def test_decode_kernel_matches_torch_decode_and_dense(num_kv_heads, head_dim, bs):
     seed = num_kv_heads * 1000 + head_dim * 10 + bs
@@ -265,12 +265,14 @@ def test_causal_attention_matches_dense_attention(num_tokens, num_heads, num_kv_
     torch.testing.assert_close(got.double(), want[0].transpose(0, 1), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("head_dim", [48, 80])
-def test_backend_sends_other_head_sizes_to_torch(head_dim):
-    """The kernel takes heads in multiples of 32; a fresh prompt with other heads goes through torch's attention
-    and still matches the float64 reference."""
+@pytest.mark.parametrize("kind", ["mixed", "decode", "prefill"])
+@pytest.mark.parametrize("head_dim", [40, 48, 80])
+def test_backend_sends_other_head_sizes_to_torch(head_dim, kind):
+    """The causal kernel takes heads in multiples of 32 and the decode kernel in multiples of 16; rows with other
+    heads go through torch's attention, and every kind of batch still matches the float64 reference."""
     assert not cpu_kernels.causal_attention_supports(head_dim)
-    out, ref = run_case(CpuPagedAttention(), batch_rows("prefill", 4), NUM_HEADS // 2, head_dim, 4, fill=0.0, seed=5)
+    assert cpu_kernels.decode_attention_supports(head_dim) == (head_dim % 16 == 0)
+    out, ref = run_case(CpuPagedAttention(), batch_rows(kind, 4), NUM_HEADS // 2, head_dim, 4, fill=0.0, seed=5)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
 
 
