@@ -52,8 +52,10 @@ typedef float vec16 __attribute__((vector_size(64)));
 static inline vec16 load16(const float* p) { vec16 v; std::memcpy(&v, p, sizeof(v)); return v; }
 static inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// The largest of s[0 .. n): compares in the order of a scalar loop's max would (NaN never replaces a
-// number; a NaN s[0] stays), so the result is the scalar loop's.
+typedef int ivec16 __attribute__((vector_size(64)));
+
+// The largest of s[0 .. n), as a scalar loop from s[0] finds it: NaN never replaces a number (a lane holding NaN
+// takes the next number), and a NaN s[0] stays.
 static inline float max_of(const float* s, int64_t n) {
     float best = s[0];
     int64_t j = 0;
@@ -61,7 +63,7 @@ static inline float max_of(const float* s, int64_t n) {
         vec16 m = load16(s);
         for (j = 16; j + 16 <= n; j += 16) {
             const vec16 v = load16(s + j);
-            m = v > m ? v : m;
+            m = ((v > m) | (m != m)) ? v : m;
         }
         for (int64_t i = 0; i < 16; ++i) best = m[i] > best ? m[i] : best;
     }
@@ -69,19 +71,48 @@ static inline float max_of(const float* s, int64_t n) {
     return best;
 }
 
+// exp_approx on 16 lanes, the same operations in the same order (floor as truncation, then one down where that
+// rounded up). An \`omp simd\` loop over exp_approx kept its sum's lanes in memory: 0.75 of the causal kernel's
+// 1.4 ms for 425 tokens x 8 heads went to its softmax.
+static inline vec16 exp16(vec16 x) {
+    const vec16 zero = {};
+    x = x < -87.0f ? zero - 87.0f : x;
+    x = x > 88.0f ? zero + 88.0f : x;
+    const vec16 t = x * 1.44269504088896341f + 0.5f;
+    vec16 n = __builtin_convertvector(__builtin_convertvector(t, ivec16), vec16);
+    n = n > t ? n - 1.0f : n;
+    const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vec16 y = zero + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
+    vec16 scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return y * scale;
+}
+
 // s[j] <- exp(s[j] - max(s)) for j < n; returns their sum: a softmax before its division.
 static inline float exp_in_place(float* __restrict s, int64_t n) {
     const float m = max_of(s, n);
+    vec16 sums = {};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const vec16 e = exp16(load16(s + j) - m);
+        store16(s + j, e);
+        sums += e;
+    }
     float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
+    for (int i = 0; i < 16; ++i) sum += sums[i];
+    for (; j < n; ++j) {
         s[j] = exp_approx(s[j] - m);
         sum += s[j];
     }
     return sum;
 }
-
-typedef int ivec16 __attribute__((vector_size(64)));
 
 // The sums of 16 vectors, as one vector (lane j: the sum of v[j]'s lanes): pairs of vectors folded into one
 // of half-length partial sums, four times. 15 shuffle pairs and adds for 16 dot products, where one horizontal
