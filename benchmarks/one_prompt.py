@@ -21,16 +21,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks.report import print_table
-from benchmarks.vllm_baseline import (
-    STDERR_TAIL_LINES, VllmSettings, add_vllm_args, build_job, resolve_peer_python, worker_env,
-)
+from benchmarks.vllm_baseline import VllmSettings, add_vllm_args, build_job, resolve_peer_python, run_worker
 from benchmarks.workloads import NUM_KV_BLOCKS, BLOCK_SIZE, MODEL_SHAPE, build_checkpoint, engine_args, positive_int
 
 WORKER = Path(__file__).resolve().parent / "peers" / "vllm_one_prompt.py"
@@ -73,16 +69,7 @@ def run_vllm(model_path: str, prompts: dict[int, list[list[int]]], settings: Vll
     same job, for tests)."""
     job = build_job(model_path, [], settings, NUM_KV_BLOCKS * BLOCK_SIZE, 64, 2048)
     job["prompts_by_length"] = {str(n): group for n, group in prompts.items()}
-    with tempfile.TemporaryDirectory(prefix="inflight-vllm-") as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        done = subprocess.run([settings.python, str(worker), str(job_path), str(result_path)], cwd=tmp,
-                              env=worker_env(settings), capture_output=True, text=True)
-        if done.returncode != 0 or not result_path.exists():
-            tail = "\n".join((done.stderr or done.stdout).splitlines()[-STDERR_TAIL_LINES:])
-            raise RuntimeError(f"vllm: the worker ({settings.python} {worker}) exited with {done.returncode}; "
-                               f"its stderr ends:\n{tail}")
-        times = json.loads(result_path.read_text())["times_s"]
+    times = run_worker(worker, job, settings)["times_s"]
     return {n: median_ms(times[str(n)]) for n in prompts}
 
 

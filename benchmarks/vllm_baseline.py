@@ -122,8 +122,14 @@ def run_vllm(model_path: str | Path, requests: Sequence[BenchRequest], settings:
              max_num_seqs: int, max_num_batched_tokens: int, worker: Path | None = None) -> BaselineRun:
     """One run of ``requests`` (all at t=0) through vLLM in a fresh worker process (``worker``: another
     script taking the same job, for tests). Each request must get exactly its ``max_tokens``."""
-    worker = WORKER if worker is None else worker
     job = build_job(model_path, requests, settings, kv_budget_tokens, max_num_seqs, max_num_batched_tokens)
+    result = run_worker(WORKER if worker is None else worker, job, settings)
+    return baseline_run(result, requests, job, settings)
+
+
+def run_worker(worker: Path, job: dict[str, Any], settings: VllmSettings) -> dict[str, Any]:
+    """Run a peer script (``worker JOB.json RESULT.json``) under the peer's Python with vLLM's thread binding;
+    returns the result it wrote. ``RuntimeError`` with the end of its stderr if it fails or writes nothing."""
     with tempfile.TemporaryDirectory(prefix="inflight-vllm-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
@@ -133,8 +139,7 @@ def run_vllm(model_path: str | Path, requests: Sequence[BenchRequest], settings:
             tail = "\n".join((done.stderr or done.stdout).splitlines()[-STDERR_TAIL_LINES:])
             raise RuntimeError(f"vllm: the worker ({settings.python} {worker}) exited with {done.returncode}"
                                f"{'' if result_path.exists() else ' and wrote no result'}; its stderr ends:\n{tail}")
-        result = json.loads(result_path.read_text())
-    return baseline_run(result, requests, job, settings)
+        return json.loads(result_path.read_text())
 
 
 def baseline_run(result: dict[str, Any], requests: Sequence[BenchRequest], job: dict[str, Any],
