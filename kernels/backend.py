@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from kernels.dense_prefill import sdpa_prompt_attention
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -43,6 +45,13 @@ class AttentionBackend:
         residual add, ``silu_and_mul``, ``apply_rope``; see ``kernels.triton_fused``), or None: the
         model's PyTorch code, which is also their reference."""
         return None
+
+    def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """One prompt with nothing before it attending to itself, causally (query [tokens, heads, head_dim], key
+        and value [tokens, kv_heads, head_dim]): the prefill lane's attention, per prompt. SDPA unless the
+        backend has a faster kernel."""
+        return sdpa_prompt_attention(query, key, value, scale)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The layout of one layer's K (or V) cache; each backend picks what its kernels read fastest."""

@@ -33,10 +33,9 @@ class CpuPagedAttention(TorchPagedAttention):
     def store_kv(self, key, value, k_cache, v_cache, metadata: TorchAttentionMetadata) -> None:
         cpu_kernels.store_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
 
-    @staticmethod
-    def _self_attention(query, key, value, scale: float) -> torch.Tensor:
+    def prompt_attention(self, query, key, value, scale: float) -> torch.Tensor:
         if not cpu_kernels.causal_attention_supports(query.shape[-1]):
-            return TorchPagedAttention._self_attention(query, key, value, scale)
+            return super().prompt_attention(query, key, value, scale)
         return cpu_kernels.causal_attention(query, key, value, scale)
 
     def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:

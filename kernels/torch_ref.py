@@ -1,9 +1,10 @@
 """Paged attention in plain PyTorch: the CPU path and the oracle the GPU kernels are tested against.
 
 Batched, not a loop per token. All single-token rows (decodes) go through batched matmuls over
-their gathered context. A prefill chunk with nothing cached before it attends to itself through
-``scaled_dot_product_attention`` (``kernels.dense_prefill``; torch 2.13's fused CPU kernel: 7.3 ms
-against 23 ms for the tiles below at 800 tokens, 8 heads of 32, on the 2-core benchmark machine). A
+their gathered context. A prefill chunk with nothing cached before it attends to itself through the
+backend's ``prompt_attention`` (here ``scaled_dot_product_attention``, ``kernels.dense_prefill``; torch 2.13's
+fused CPU kernel: 7.3 ms against 23 ms for the tiles below at 800 tokens, 8 heads of 32, on the 2-core
+benchmark machine). A
 chunk after cached context attends to that context plus itself, causal within the chunk, a tile of
 query rows at a time: a tile's scores only reach up to its own last position, so no work goes to the
 masked upper triangle and the scores stay small enough to live in cache (SDPA's causal mask is
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import AttentionBackend, BatchLayout
-from kernels.dense_prefill import DensePrefillMetadata, dense_prefill_attention
 
 
 QUERY_TILE = 256  # query rows per tile of prefill attention
@@ -129,7 +129,7 @@ class TorchPagedAttention(AttentionBackend):
             q_len = row.token_end - row.token_start
             if row.blocks is None:  # nothing cached before the chunk: it attends to itself only
                 rows = slice(row.token_start, row.token_end)
-                out[rows] = self._self_attention(query[rows], key[rows], value[rows], scale)
+                out[rows] = self.prompt_attention(query[rows], key[rows], value[rows], scale)
                 continue
             q = query[row.token_start:row.token_end].transpose(0, 1)  # [num_heads, q_len, head_dim]
             k = _gather_context(k_cache, row.blocks, row.seq_len)  # [num_kv_heads, seq_len, head_dim]
@@ -138,11 +138,6 @@ class TorchPagedAttention(AttentionBackend):
             o = _causal_attention(q, k, v, row.seq_len - q_len, scale, metadata.causal_tile)
             out[row.token_start:row.token_end] = o.reshape(num_heads, q_len, -1).transpose(0, 1)
         return out
-
-    @staticmethod
-    def _self_attention(query, key, value, scale: float) -> torch.Tensor:
-        """A chunk with nothing cached before it, attending to itself causally ([tokens, heads, head_dim])."""
-        return dense_prefill_attention(query, key, value, DensePrefillMetadata([query.shape[0]]), scale)
 
     def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         """Split-KV decode (flash-decoding): each row's context is cut into fixed-size chunks, every chunk is

@@ -92,7 +92,7 @@ class Attention(nn.Module):
         qk = self.rope(qk, *rope)  # q and k heads rotated in one pass
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         if kv_cache is None:  # a prefill-only lane batch: whole prompts whose K/V nobody reads again
-            out = dense_prefill_attention(q, k, v, metadata, self.scale)
+            out = dense_prefill_attention(q, k, v, metadata, self.scale, self.backend.prompt_attention)
         else:
             k_cache, v_cache = kv_cache
             self.backend.store_kv(k, v, k_cache, v_cache, metadata)

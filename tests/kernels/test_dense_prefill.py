@@ -5,18 +5,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dense_prefill import DensePrefillMetadata, dense_prefill_attention
+from kernels import cpu_kernels, get_attention_backend
+from kernels.dense_prefill import DensePrefillMetadata, dense_prefill_attention, sdpa_prompt_attention
 from tests.kernels.cases import NUM_HEADS, naive_attention
 
 
+def attentions():
+    """SDPA (every backend's default) and, where its kernels build, the CPU backend's causal kernel."""
+    yield pytest.param(sdpa_prompt_attention, id="sdpa")
+    built = cpu_kernels.load() is not None
+    backend = get_attention_backend("cpu", torch.device("cpu")) if built else None
+    yield pytest.param(backend.prompt_attention if built else None, id="cpu-kernel",
+                       marks=pytest.mark.skipif(not built, reason="no C++ compiler: the CPU kernels are not built"))
+
+
+@pytest.mark.parametrize("attend", attentions())
 @pytest.mark.parametrize("gqa", [1, 2, 4])
 @pytest.mark.parametrize("lengths", [[1], [5, 1, 17, 3], [40, 40]], ids=["one-token", "ragged", "equal"])
-def test_each_prompt_attends_causally_to_itself_only(gqa, lengths):
+def test_each_prompt_attends_causally_to_itself_only(gqa, lengths, attend):
     gen = torch.Generator().manual_seed(gqa + len(lengths))
     num_tokens, head_dim = sum(lengths), 32
     q = torch.randn(num_tokens, NUM_HEADS, head_dim, generator=gen)
     k, v = (torch.randn(num_tokens, NUM_HEADS // gqa, head_dim, generator=gen) for _ in range(2))
-    out = dense_prefill_attention(q, k, v, DensePrefillMetadata(lengths), 0.2)
+    out = dense_prefill_attention(q, k, v, DensePrefillMetadata(lengths), 0.2, attend)
     start = 0
     for length in lengths:
         rows = slice(start, start + length)
