@@ -9,8 +9,10 @@
 //
 // Layout (TorchPagedAttention's, head-major): cache [num_kv_heads, num_blocks, block_size, head_dim].
 // Per task: scores of the group's query heads against every visible key (pass 1), a softmax per head
-// (pass 2), then the weighted sum of V (pass 3). Plain loops the compiler vectorises (-O3 -march=native);
-// tasks split over OpenMP threads (the process's libgomp: torch's, already loaded).
+// (pass 2), then the weighted sum of V (pass 3). Built with -O3 -march=native; where GCC's own vectorisation
+// fell short (accumulators kept in memory, loops inlined into OpenMP bodies left scalar) the code is written on
+// GCC's vector types (vec16 below), which any target lowers to its widest registers. Tasks split over OpenMP
+// threads (the process's libgomp: torch's, already loaded).
 
 #include <algorithm>
 #include <cmath>
