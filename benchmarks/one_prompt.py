@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from benchmarks.report import print_table
 from benchmarks.vllm_baseline import VllmSettings, add_vllm_args, build_job, resolve_peer_python, run_worker
-from benchmarks.workloads import NUM_KV_BLOCKS, BLOCK_SIZE, MODEL_SHAPE, build_checkpoint, engine_args, positive_int
+from benchmarks.workloads import MODEL_SHAPE, build_checkpoint, engine_args, positive_int
 
 WORKER = Path(__file__).resolve().parent / "peers" / "vllm_one_prompt.py"
 WARMUP_PROMPTS = 2
@@ -67,7 +67,9 @@ def run_vllm(model_path: str, prompts: dict[int, list[list[int]]], settings: Vll
              worker: Path = WORKER) -> dict[int, float]:
     """The same prompts through vLLM's ``LLM`` in a fresh worker process (``worker``: another script taking the
     same job, for tests)."""
-    job = build_job(model_path, [], settings, NUM_KV_BLOCKS * BLOCK_SIZE, 64, 2048)
+    ours = engine_args("continuous")  # vLLM gets our sizes, taken from the same place
+    job = build_job(model_path, [], settings, ours["num_kv_blocks"] * ours["block_size"], ours["max_num_seqs"],
+                    ours["max_num_batched_tokens"])
     job["prompts_by_length"] = {str(n): group for n, group in prompts.items()}
     times = run_worker(worker, job, settings)["times_s"]
     return {n: median_ms(times[str(n)]) for n in prompts}

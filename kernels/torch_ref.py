@@ -4,11 +4,10 @@ Batched, not a loop per token. All single-token rows (decodes) go through batche
 their gathered context. A prefill chunk with nothing cached before it attends to itself through the
 backend's ``prompt_attention`` (here ``scaled_dot_product_attention``, ``kernels.dense_prefill``; torch 2.13's
 fused CPU kernel: 7.3 ms against 23 ms for the tiles below at 800 tokens, 8 heads of 32, on the 2-core
-benchmark machine). A
-chunk after cached context attends to that context plus itself, causal within the chunk, a tile of
-query rows at a time: a tile's scores only reach up to its own last position, so no work goes to the
-masked upper triangle and the scores stay small enough to live in cache (SDPA's causal mask is
-aligned to the first key, not the last, so it cannot serve these rows).
+benchmark machine). A chunk after cached context attends to that context plus itself, causal within the chunk,
+a tile of query rows at a time: a tile's scores only reach up to its own last position, so no work goes to the
+masked upper triangle and the scores stay small enough to live in cache (SDPA's causal mask is aligned to the
+first key, not the last, so it cannot serve these rows).
 
 The cache layout is head-major, ``[num_kv_heads, num_blocks + 1, block_size, head_dim]``, so context
 is gathered as whole (head, block) slabs of block_size x head_dim contiguous values (one
