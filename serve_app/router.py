@@ -246,8 +246,12 @@ class _ChannelStream:
         asyncio.get_running_loop().call_later(CHANNEL_GRACE_S, self.inbox.close, self.route)
 
     def cancel(self) -> None:
-        self.response.cancel()
-        self.end.cancel()
+        # A call that has ended, or whose replica has sent the request's last message, has nothing left to
+        # abort: its end comes by itself. Cancelling it anyway is a Ray cancel per request (~3% of a router's
+        # CPU at 64 streams) that does nothing.
+        if not self.finished and not self.end.done():
+            self.response.cancel()
+            self.end.cancel()
         self.inbox.close(self.route)
 
 

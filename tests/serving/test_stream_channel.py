@@ -148,6 +148,54 @@ def test_a_replica_whose_router_is_gone_fails_its_stream_and_reconnects_for_the_
     assert asyncio.run(main())["choices"][0]["text"] == "again"
 
 
+class _Call:
+    """What ``replicas.generate.remote`` returns, reduced to what the router's stream uses: its end and cancel."""
+
+    def __init__(self) -> None:
+        self.cancels = 0
+        self.ended = asyncio.Event()
+
+    def cancel(self) -> None:
+        self.cancels += 1
+
+    async def __anext__(self):
+        await self.ended.wait()
+        raise StopAsyncIteration
+
+
+class _Replicas:
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+        self.generate = self
+
+    def remote(self, request: dict) -> _Call:
+        self.calls.append(_Call())
+        return self.calls[-1]
+
+
+def test_the_router_cancels_a_call_only_while_its_request_can_still_run():
+    from serve_app.router import _ChannelStream
+
+    async def main():
+        inbox = await _started_inbox()
+        replicas = _Replicas()
+        done, running, ended = (_ChannelStream(replicas, inbox, {"prompt": [1]}) for _ in range(3))
+        connection = StreamOutbox().connection(done.route)
+        connection.send(done.route["key"], _chunk("last", finished=True))
+        await connection.drain()
+        assert (await asyncio.wait_for(done.__anext__(), 5))["finished"]
+        replicas.calls[2].ended.set()  # a call that ended before its messages were read
+        await asyncio.sleep(0.01)
+        for stream in (done, running, ended):  # as the router does when a response ends, however it ends
+            stream.cancel()
+        await inbox.stop()
+        return [call.cancels for call in replicas.calls], inbox.num_open
+
+    cancels, num_open = asyncio.run(main())
+    assert cancels == [0, 1, 0]  # only the request that may still be running in an engine is aborted
+    assert num_open == 0
+
+
 # -- through the server ----------------------------------------------------------------------------------------
 def test_the_server_streams_through_the_channel_and_a_stranger_cannot_speak_on_it(server):
     with httpx.Client(timeout=60) as client:  # the router listens from its first request on
