@@ -127,8 +127,10 @@ class LLMReplica:
                 if output.finished or now - last_sent >= self.num_streams / self.max_messages_per_s:
                     if started is not None:
                         held, started = {**started, **held}, None
+                    if _visible(held):  # one the client cannot see starts no window: the text behind it goes at once
+                        last_sent = now
                     yield held
-                    held, last_sent = None, now
+                    held = None
                 if output.finished:
                     self._on_finished(output, num_generated)
         except DeadlineUnmeetableError as e:  # refused at admission (before any output): a late first token predicted
@@ -359,6 +361,13 @@ class _Echo:
                 _logprob_entry(entry, token_id, self.num_top)
                 for entry, token_id in zip(prompt_logprobs[1:], output.prompt_token_ids[1:])]
         choice["logprobs"] = self.entries + choice.get("logprobs", [])
+
+
+def _visible(chunk: dict[str, Any]) -> bool:
+    """Whether the router turns ``chunk`` into something a client sees. A token whose text the detokenizer holds
+    back (the first bytes of a character) is not: a chunk of only such tokens starts no pacing window, or the
+    first text would wait a window behind it."""
+    return any(c["text"] or c["finish_reason"] or c.get("logprobs") for c in chunk["choices"])
 
 
 def _merge_chunks(held: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
