@@ -2,12 +2,12 @@
 
 Both serve the benchmark checkpoint (``benchmarks.workloads``) with the same sizes: 8,000 tokens of KV, 64
 batch slots, 2,048 tokens per step, ``max_model_len`` 2,048, float32, one compute thread each. Ours is
-``configs/bench-vs-vllm.yaml`` started as ``make run`` starts a config (``scripts/serve.sh``, port 8000): its
-engine process on CPU 0, Ray's processes on the others. vLLM's is ``benchmarks/peers/vllm_serve.py`` (port
-8001), twice: with its defaults (``vllm``: its compute thread bound by ``VLLM_CPU_OMP_THREADS_BIND=auto``),
-and placed as ours (``vllm-isolated``: compute thread on CPU 0, the server under ``taskset`` on the others).
-``ours-direct`` is ours with Serve's direct ingress (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``, README): the client
-talks to the router replica's own HTTP port, without the proxy's hop.
+``configs/bench-vs-vllm.yaml`` started as ``make run`` starts a config (``scripts/serve.sh``): its engine
+process on CPU 0, Ray's processes on the others, the API on :8000 served by the router replica itself (Serve's
+direct ingress, ``serve_app/ray_env.py``). vLLM's is ``benchmarks/peers/vllm_serve.py`` (port 8001), twice: with
+its defaults (``vllm``: its compute thread bound by ``VLLM_CPU_OMP_THREADS_BIND=auto``), and placed as ours
+(``vllm-isolated``: compute thread on CPU 0, the server under ``taskset`` on the others). ``ours-proxy`` is the
+same server of ours with the client on Serve's proxy (the config's :8100), the hop a cluster's entry point adds.
 The client always runs on the CPUs other than 0. One server at a time, alternating, each started
 afresh for its turn; per turn, with ``vllm bench serve`` (random dataset, prompts of 50-800 tokens, outputs
 of 20-200 with ``ignore_eos``, greedy):
@@ -43,14 +43,12 @@ from benchmarks.vllm_baseline import resolve_peer_python
 from benchmarks.workloads import MODEL_NAME, add_sampling_args, build_checkpoint, check_sampling_args
 from engine.cpu_list import format_cpu_list
 from serve_app.cpu_plan import cpus_left
-from serve_app.ray_env import apply as apply_serve_env
+from serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT, apply as apply_serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "benchmarks" / "peers"
-# ours-direct: ours with Serve's direct ingress, the client talking to the router's own HTTP port (the first
-# ingress replica's: RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, 30000 by default) instead of the proxy's
-DIRECT_INGRESS_PORT = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
-PORTS = {"ours": 8000, "ours-direct": DIRECT_INGRESS_PORT, "vllm": 8001, "vllm-isolated": 8001}
+# ours: the API port of `make run` (the router itself); ours-proxy: the same server through Serve's proxy
+PORTS = {"ours": API_PORT, "ours-proxy": LOCAL_PROXY_PORT, "vllm": 8001, "vllm-isolated": 8001}
 ENGINE_CPU = 0  # ours: configs/bench-vs-vllm.yaml's engine_cpus; vLLM isolated: its compute thread's core
 
 
@@ -66,14 +64,12 @@ METRICS = ("completed", "failed", "output_throughput", "mean_e2el_ms", "median_e
            "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "duration")
 
 
-def start_ours(checkpoint: Path, log, direct_ingress: bool = False) -> subprocess.Popen:
+def start_ours(checkpoint: Path, log) -> subprocess.Popen:
     config = Path(tempfile.mkstemp(prefix="bench-vs-vllm-", suffix=".yaml")[1])
     config.write_text((ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint)))
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
-    if direct_ingress:
-        env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
-    apply_serve_env(env)
+    apply_serve_env(env, local=True)
     return subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), str(config)], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -143,7 +139,7 @@ def load_average() -> float:
 
 def one_turn(system: str, args, peer_python: str, checkpoint: Path, workdir: Path, round_index: int) -> dict:
     log = open(workdir / f"{system}-{round_index}.log", "w")
-    server = (start_ours(checkpoint, log, direct_ingress=system == "ours-direct") if system.startswith("ours")
+    server = (start_ours(checkpoint, log) if system.startswith("ours")
               else start_vllm(peer_python, args.vllm_threads_bind, system == "vllm-isolated", log))
     port = PORTS[system]
     try:
@@ -197,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--one-stream-prompts", type=int, default=16)
     parser.add_argument("--systems", default="ours,vllm,vllm-isolated",
-                        help="which servers, in the first round's order: ours, ours-direct (ours with Serve's direct "
-                             "ingress: the client on the router's own port, no proxy hop), vllm (its defaults, --vllm-threads-bind), "
+                        help="which servers, in the first round's order: ours (make run's API port, the router itself), "
+                             "ours-proxy (the same through Serve's proxy), vllm (its defaults, --vllm-threads-bind), "
                              "vllm-isolated (its compute thread alone on CPU 0, as ours, the rest on the other CPUs)")
     parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python")
     parser.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core)")

@@ -3,7 +3,8 @@
 Measures, side by side in one run, on the built-in demo-tiny model with the demo config's engine
 arguments:
   * time to first token at 1 stream (sequential requests) for AsyncLLMEngine in this process and
-    for HTTP streaming through the proxy, the Router and one LLMReplica;
+    for HTTP streaming to the Router (on its own port, as ``make run`` serves; ``--ingress proxy``: through
+    Serve's proxy) and one LLMReplica;
   * 64 concurrent streams, each sending ``--requests-per-stream`` requests one after another (a
     closed loop, as a benchmark with a concurrency limit runs): TTFT and output tokens/s, directly
     and through HTTP, against the engine's offline throughput (``LLM.generate``) on the same requests.
@@ -33,8 +34,7 @@ from benchmarks.serve_processes import cpu_by_role, sample_processes
 from engine.cpu_list import parse_cpu_list
 
 ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
-BASE_URL = "http://127.0.0.1:8000"
-BARE_URL = f"{BASE_URL}/bare"  # --engine no-work: the bare Ray Serve path beside ours
+HOST = "127.0.0.1"
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -93,8 +93,7 @@ def offline_tokens_per_s(batch: list[list[int]], max_tokens: int, threads: int) 
 
 
 # -- through Ray Serve and HTTP --------------------------------------------------------------------------
-async def http_run(streams: list[list[list[int]]], max_tokens: int,
-                   base_url: str = BASE_URL) -> tuple[list[float], float, int]:
+async def http_run(streams: list[list[list[int]]], max_tokens: int, base_url: str) -> tuple[list[float], float, int]:
     """(TTFTs, output tokens/s, failed requests) of ``streams`` through the server's /v1/completions."""
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=256)) as client:
         async def one(prompt):
@@ -106,10 +105,12 @@ async def http_run(streams: list[list[list[int]]], max_tokens: int,
 
 
 def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, engine_cpus: str | None = None,
-                 stream_channel: bool = True) -> None:
-    """The demo config's deployments (access logs off, as configs/demo.yaml has them) on port 8000. With
-    ``engine_cpus``, as ``make run`` serves configs/demo.yaml: the replica's engine process on those CPUs,
-    and this process, so Ray and everything it starts (and the load generator), on the others."""
+                 stream_channel: bool = True, ingress: str = "router") -> tuple[str, str | None]:
+    """The demo config's deployments served as ``make run`` serves them (access logs off, the API on the router's
+    own port, Serve's proxy on the configs' port); returns the URLs of ours and, with ``no_work``, of the bare
+    Ray Serve app, on ``ingress``: the routers' own ports, or Serve's proxy. With ``engine_cpus``, as ``make
+    run`` serves a config with them: the replica's engine process on those CPUs, and this process, so Ray and
+    everything it starts (and the load generator), on the others."""
     import ray
     from ray import serve
 
@@ -117,26 +118,33 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     from serve_app.app import make_app
     from serve_app.config import AppConfig
     from serve_app.cpu_plan import cpus_left
+    from serve_app.ingress import wait_for_router_port
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rest = cpus_left(parse_cpu_list(engine_cpus)) if engine_cpus else None
     if rest:
         os.sched_setaffinity(0, rest)  # before Ray starts: its processes inherit the mask
-    ray_env.apply()  # as `make run` starts Ray (ray.init below passes the environment on to Ray's processes)
+    ray_env.apply(local=True)  # as `make run` starts Ray (ray.init below passes the environment on to Ray's processes)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
-    serve.start(http_options={"host": "127.0.0.1", "port": 8000}, logging_config={"enable_access_log": False})
+    proxy = f"http://{HOST}:{ray_env.LOCAL_PROXY_PORT}"
+    serve.start(http_options={"host": HOST, "port": ray_env.LOCAL_PROXY_PORT}, logging_config={"enable_access_log": False})
     extra = {"max_messages_per_s": max_messages_per_s} if max_messages_per_s else {}
     config = AppConfig(model="demo-tiny", engine_args={**ENGINE_ARGS, "num_threads": threads},
                        max_pending_requests=512, max_queued_requests_per_replica=256, engine_cpus=engine_cpus,
                        stream_channel=stream_channel, **extra)
     engine_cls = None
     if no_work:
-        from benchmarks.bare_serve import bare_serve_app
         from benchmarks.no_work_engine import NoWorkEngine
 
         engine_cls = NoWorkEngine
-        serve.run(bare_serve_app(), name="bare", route_prefix="/bare")
     serve.run(make_app(config, engine_cls=engine_cls), name="overhead", route_prefix="/")
+    ours = f"http://{HOST}:{wait_for_router_port('overhead')}" if ingress == "router" else proxy
+    if not no_work:
+        return ours, None
+    from benchmarks.bare_serve import bare_serve_app
+
+    serve.run(bare_serve_app(), name="bare", route_prefix="/bare")
+    return ours, (f"http://{HOST}:{wait_for_router_port('bare')}" if ingress == "router" else proxy) + "/bare"
 
 
 def main() -> None:
@@ -157,6 +165,8 @@ def main() -> None:
                         "the router on the stream channel (the app's default) or as items of Serve's calls")
     parser.add_argument("--persistent-batch", choices=("on", "off"), default="on", help="the engine's persistent "
                         "batch (its default), or the general path every step; offline, direct and served alike")
+    parser.add_argument("--ingress", choices=("router", "proxy"), default="router", help="HTTP to the router's own port "
+                        "(make run's API port) or through Serve's proxy (a cluster's entry point)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     ENGINE_ARGS["persistent_batch"] = args.persistent_batch == "on"
@@ -187,25 +197,25 @@ def main() -> None:
             (e1, _), (e64, e64_tps) = asyncio.run(direct())
             offline = offline_tokens_per_s(many, args.max_tokens, args.threads)
             bar.update()
-        start_server(args.threads, not real, args.max_messages_per_s, (args.engine_cpus or None) if real else None,
-                     args.stream_channel == "on")
-        asyncio.run(http_run([single[0][:2]], 4))  # warm-up
+        url, bare_url = start_server(args.threads, not real, args.max_messages_per_s,
+                                     (args.engine_cpus or None) if real else None, args.stream_channel == "on", args.ingress)
+        asyncio.run(http_run([single[0][:2]], 4, url))  # warm-up
         if real:
-            h1, _, err1 = asyncio.run(http_run(single, args.max_tokens))
+            h1, _, err1 = asyncio.run(http_run(single, args.max_tokens, url))
         else:  # ours and the bare path in turn, request by request: drift on a shared machine hits both
-            asyncio.run(http_run([single[0][:2]], 4, BARE_URL))
-            pairs = [(asyncio.run(http_run([[p]], args.max_tokens)),
-                      asyncio.run(http_run([[p]], args.max_tokens, BARE_URL))) for p in single[0]]
+            asyncio.run(http_run([single[0][:2]], 4, bare_url))
+            pairs = [(asyncio.run(http_run([[p]], args.max_tokens, url)),
+                      asyncio.run(http_run([[p]], args.max_tokens, bare_url))) for p in single[0]]
             h1 = [t for ours, _ in pairs for t in ours[0]]
             e1 = [t for _, bare in pairs for t in bare[0]]
             err1 = sum(ours[2] + bare[2] for ours, bare in pairs)
         bar.update()
         before, client_before = sample_processes("overhead"), _own_cpu_s()
-        h64, h64_tps, err64 = asyncio.run(http_run(streams, args.max_tokens))
+        h64, h64_tps, err64 = asyncio.run(http_run(streams, args.max_tokens, url))
         cpu = {**cpu_by_role(before, sample_processes("overhead")), "load generator": _own_cpu_s() - client_before}
         num_requests = sum(len(s) for s in streams)
         if not real:
-            e64, e64_tps, bare_errors = asyncio.run(http_run(streams, args.max_tokens, BARE_URL))
+            e64, e64_tps, bare_errors = asyncio.run(http_run(streams, args.max_tokens, bare_url))
             err64 += bare_errors
         bar.update()
 

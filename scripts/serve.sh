@@ -5,7 +5,7 @@ set -uo pipefail
 config="${1:-configs/demo.yaml}"
 bin="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"  # Ray >= 2.59 turns token auth on for local clusters
-eval "$("$bin/python" -m serve_app.ray_env)"  # Serve's throughput settings (serve_app/ray_env.py), before Ray starts
+eval "$("$bin/python" -m serve_app.ray_env --local)"  # Serve's settings (serve_app/ray_env.py), before Ray starts
 
 # Another Ray on this machine (a `make run` in another terminal, a test session, your own cluster) is left
 # alone: `ray stop` cannot tell clusters apart, so this script only ever stops a cluster it started itself.
@@ -34,5 +34,6 @@ elif [ -n "$serving_cpus" ]; then
 fi
 "${pin[@]}" "$bin/ray" start --head --disable-usage-stats --include-dashboard=true --dashboard-host 127.0.0.1 \
   --dashboard-port 8265 --metrics-export-port 8080 || exit 1
-echo "dashboard: http://127.0.0.1:8265   metrics: http://127.0.0.1:8080/metrics   API: http://127.0.0.1:8000/v1"
+echo "dashboard: http://127.0.0.1:8265   metrics: http://127.0.0.1:8080/metrics"
+echo "API: http://127.0.0.1:${RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT}/v1 (the router itself; Serve's proxy serves it too, on the config's http_options.port)"
 "${pin[@]}" "$bin/serve" run --address auto "$config"

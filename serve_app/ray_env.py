@@ -5,31 +5,52 @@ deployments over gRPC, each replica's user code and request routing on its main 
 threads of their own, the GC frozen after start-up. On the 2-core demo it took HTTP throughput at
 64 streams from ~39% to ~53% of the engine's offline rate (``benchmarks.serving_overhead``, side by side
 in docs/benchmarks.md): a replica's step thread then contends with one event-loop thread for the GIL,
-not several. The bundle's direct ingress (each ingress replica serving HTTP on a port of its own, for an
-HAProxy in front) stays off: clients reach Serve's proxy on the usual port.
+not several.
 
-Who applies it: ``scripts/serve.sh`` (``make run``), the test fixtures that start Ray, the serving
-benchmarks, and ``k8s/Dockerfile`` (tests check the copies). (``RAY_AUTH_MODE=disabled``, for local
-clusters only, is set by those local starters themselves, never in the image.)
+``RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` (the bundle's default, kept): each ingress replica, our ``Router``, also
+serves HTTP itself, on a port of its own, beside Serve's proxy. A request that comes to the router's port skips
+the proxy's process and its hop: on the 2-core machine ~48% more output tokens/s at 64 streams and 6-10 ms less
+to a first token (docs/benchmarks.md). Without that port a request costs the proxy's process its HTTP
+parsing and a Ray call, and the router a call back to the proxy for the request's body and disconnect.
+
+``LOCAL_SERVE_ENV`` adds what one machine's ``make run`` wants on top: the router's port is the API port,
+:8000 (the range Serve allocates ingress ports from starts there), and a restarted router gets it back at once
+(no quarantine of released ports: that is for an HAProxy in front, which a single machine does not have). The
+local configs put Serve's proxy on :8100 (``http_options.port``): it serves the same API, for tools that expect
+Serve's own routes (``/-/healthz``, ``/-/routes``). A cluster (KubeRay) keeps the proxy as its entry point on
+:8000, one per node behind the Service; its routers' own ports (30000 up) stay inside the pods.
+
+Who applies it: ``scripts/serve.sh`` (``make run``: both), the test fixtures that start Ray and ``k8s/Dockerfile``
+(``SERVE_ENV``; tests check the copies), the serving benchmarks (as ``make run``). (``RAY_AUTH_MODE=disabled``,
+for local clusters only, is set by those local starters themselves, never in the image.)
 """
 
 from __future__ import annotations
 
 import os
+import sys
+
+API_PORT = 8000  # make run's API: the router's own port
+LOCAL_PROXY_PORT = 8100  # Serve's proxy in the local configs (http_options.port)
 
 SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+}
+LOCAL_SERVE_ENV = {
+    **SERVE_ENV,
+    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(API_PORT),
+    "RAY_SERVE_PORT_QUARANTINE_S": "0",
 }
 
 
-def apply(environ: dict[str, str] | None = None) -> None:
-    """Set what is not set yet (a value the operator chose wins)."""
+def apply(environ: dict[str, str] | None = None, local: bool = False) -> None:
+    """Set what is not set yet (a value the operator chose wins); ``local``: one machine's ``make run``."""
     environ = os.environ if environ is None else environ
-    for key, value in SERVE_ENV.items():
+    for key, value in (LOCAL_SERVE_ENV if local else SERVE_ENV).items():
         environ.setdefault(key, value)
 
 
-if __name__ == "__main__":  # for shells: eval "$(python -m serve_app.ray_env)"
-    for key, value in SERVE_ENV.items():
+if __name__ == "__main__":  # for shells: eval "$(python -m serve_app.ray_env [--local])"
+    for key, value in (LOCAL_SERVE_ENV if "--local" in sys.argv[1:] else SERVE_ENV).items():
         print(f'export {key}="${{{key}:-{value}}}"')

@@ -91,3 +91,25 @@ def test_config_file_validates_against_serve_schema_and_app_config(path):
 
 def test_configs_exist():
     assert {p.name for p in CONFIGS} >= {"demo.yaml", "demo-multi.yaml"}
+
+
+LOCAL_CONFIGS = [p for p in CONFIGS if p.name != "gpu-llama.yaml"]  # gpu-llama.yaml is the cluster's (k8s/)
+
+
+@pytest.mark.parametrize("path", LOCAL_CONFIGS, ids=[p.name for p in LOCAL_CONFIGS])
+def test_a_local_config_leaves_the_api_port_to_its_router(path):
+    """`make run` serves the API from the router itself on API_PORT (serve_app/ray_env.py); Serve's proxy, which
+    starts first, must not hold that port, or the router would take the next one and :8000 would be the proxy's."""
+    from serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT, LOCAL_SERVE_ENV
+
+    raw = yaml.safe_load(path.read_text())
+    assert raw["http_options"]["port"] == LOCAL_PROXY_PORT != API_PORT
+    assert int(LOCAL_SERVE_ENV["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]) == API_PORT
+    assert LOCAL_SERVE_ENV["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    routers = [app.get("args", {}).get("router_replicas", 1) for app in raw["applications"]]
+    assert routers == [1], "one router, on the one API port (more need a load balancer in front)"
+
+
+def test_the_cluster_config_keeps_serves_proxy_on_the_service_port():
+    raw = yaml.safe_load((CONFIGS[0].parent / "gpu-llama.yaml").read_text())
+    assert raw["http_options"]["port"] == 8000  # KubeRay's serve Service targets the proxy there (k8s/)

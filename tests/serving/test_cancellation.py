@@ -7,7 +7,9 @@ import time
 import httpx
 import pytest
 
+from serve_app.ingress import wait_for_router_port
 from tests.serving.helpers import (
+    HOST,
     assert_error_body,
     assert_schema,
     chat_body,
@@ -27,11 +29,18 @@ def assert_freed_soon(base_url: str, seconds: float = 3.0) -> None:
     wait_idle(base_url, timeout=seconds)
 
 
+@pytest.fixture(params=["proxy", "router"])
+def entry(request, server) -> str:
+    """Where a client reaches the app: Serve's proxy (a cluster's entry point) or the router's own port (the API
+    port of `make run`); each notices a client that hangs up its own way."""
+    return server if request.param == "proxy" else f"http://{HOST}:{wait_for_router_port('inflight')}"
+
+
 @pytest.mark.parametrize("path, make", [("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)],
                          ids=["completions", "chat"])
-def test_client_disconnect_mid_stream_frees_the_engine(server, path, make):
+def test_client_disconnect_mid_stream_frees_the_engine(entry, server, path, make):
     body = {**make(**LONG), "stream": True}
-    with httpx.Client(timeout=30) as client, client.stream("POST", server + path, json=body) as response:
+    with httpx.Client(timeout=30) as client, client.stream("POST", entry + path, json=body) as response:
         assert response.status_code == 200
         events = 0
         for line in response.iter_lines():
@@ -49,10 +58,10 @@ def test_client_disconnect_mid_stream_frees_the_engine(server, path, make):
     assert time.monotonic() - started < 3.0
 
 
-def test_client_gives_up_on_non_streaming_request_frees_the_engine(server):
+def test_client_gives_up_on_non_streaming_request_frees_the_engine(entry, server):
     """A non-streaming client that times out (closes the connection) must not leave the request generating."""
     with httpx.Client(timeout=httpx.Timeout(30.0, read=1.0)) as client, pytest.raises(httpx.ReadTimeout):
-        client.post(server + "/v1/completions", json=completion_body(**LONG))
+        client.post(entry + "/v1/completions", json=completion_body(**LONG))
     assert_freed_soon(server, seconds=3.0)
 
 
