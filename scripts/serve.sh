@@ -15,6 +15,16 @@ if "$bin/ray" status >/dev/null 2>&1; then
   exit 1
 fi
 
+# The router takes the API port when it starts (serve_app/ray_env.py); held by something else, Serve would give
+# it the next free one, and the API would not be where this script says.
+api_port="$RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
+if ! "$bin/python" -c 'import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("127.0.0.1", int(sys.argv[1])))' \
+    "$api_port" 2>/dev/null; then
+  echo "port $api_port is taken (another server?): free it, or serve elsewhere with RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=PORT" >&2
+  exit 1
+fi
+
 cleanup() {
   trap - INT TERM EXIT
   echo "stopping Ray ..."
@@ -35,5 +45,5 @@ fi
 "${pin[@]}" "$bin/ray" start --head --disable-usage-stats --include-dashboard=true --dashboard-host 127.0.0.1 \
   --dashboard-port 8265 --metrics-export-port 8080 || exit 1
 echo "dashboard: http://127.0.0.1:8265   metrics: http://127.0.0.1:8080/metrics"
-echo "API: http://127.0.0.1:${RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT}/v1 (the router itself; Serve's proxy serves it too, on the config's http_options.port)"
+echo "API: http://127.0.0.1:$api_port/v1 (the router itself; Serve's proxy serves it too, on the config's http_options.port)"
 "${pin[@]}" "$bin/serve" run --address auto "$config"
