@@ -9,8 +9,8 @@ not several.
 
 ``RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` (the bundle's default, kept): each ingress replica, our ``Router``, also
 serves HTTP itself, on a port of its own, beside Serve's proxy. A request that comes to the router's port skips
-the proxy's process and its hop: on the 2-core machine ~48% more output tokens/s at 64 streams and 6-10 ms less
-to a first token (docs/benchmarks.md). Without that port a request costs the proxy's process its HTTP
+the proxy's process and its hop: on the 2-core demo 36-53% more output tokens/s at 64 streams and a first token
+~9 ms sooner (docs/benchmarks.md). Without that port a request costs the proxy's process its HTTP
 parsing and a Ray call, and the router a call back to the proxy for the request's body and disconnect.
 
 ``LOCAL_SERVE_ENV`` adds what one machine's ``make run`` wants on top: the router's port is the API port,
