@@ -33,3 +33,27 @@ def wait_for_router_port(app_name: str, timeout_s: float = 60.0) -> int:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no router of application {app_name!r} served HTTP within {timeout_s:.0f} s")
         time.sleep(0.2)
+
+
+def reclaim_own_port_at_restart() -> bool:
+    """Let this process's router take its HTTP port back while the last one's closed connections linger.
+
+    Serve binds an ingress replica's own port without ``SO_REUSEADDR``. A server that closes connections (idle
+    keep-alives, a shutdown) leaves them in TIME_WAIT on its port for a minute, so a router restarted in that
+    minute (after a crash, a redeploy) found :8000 taken and Serve gave it the next free port: the API moved.
+    Serve's own proxy binds with ``SO_REUSEADDR``/``SO_REUSEPORT`` (its ``enable_so_reuseport``); this asks the
+    same for the router's server. Called by the router before Serve starts that server (which it does once the
+    replica's constructor has returned). Returns False, changing nothing, if this Ray has no such function.
+    """
+    from ray.serve._private import replica as serve_replica
+
+    start = getattr(serve_replica, "start_asgi_http_server", None)
+    if start is None or getattr(start, "reclaims_port", False):
+        return start is not None
+
+    async def start_reusing_port(app, http_options, *, event_loop, enable_so_reuseport: bool = False):
+        return await start(app, http_options, event_loop=event_loop, enable_so_reuseport=True)
+
+    start_reusing_port.reclaims_port = True
+    serve_replica.start_asgi_http_server = start_reusing_port
+    return True

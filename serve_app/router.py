@@ -48,6 +48,7 @@ from serve_app.errors import (ERROR_BODY_SCHEMA, ERROR_STATUSES, APIError, BadRe
 from serve_app.metrics import RouterMetrics
 from engine.models.source import read_model_source
 from serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
+from serve_app.ingress import reclaim_own_port_at_restart
 from serve_app.stream_channel import StreamInbox
 from serve_app.tools import template_tools
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -351,6 +352,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 @serve.ingress(api)
 class Router:
     def __init__(self, replicas: DeploymentHandle, config: RouterConfig) -> None:
+        reclaim_own_port_at_restart()  # make run's :8000 stays the router's across its restarts
         self.replicas = replicas.options(stream=True)
         self.control = replicas  # unary calls: stats, ping
         self.config = config

@@ -8,6 +8,9 @@ the same errors (a client that leaves it frees its request: test_cancellation, o
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
 import httpx
 import pytest
 
@@ -48,3 +51,49 @@ def test_bad_input_on_the_router_port_is_a_400_with_the_error_body(router_url):
     assert assert_error_body(response, 400)["param"] == "max_tokens"
     assert_error_body(not_json, 400)
 
+
+
+def _port_in_time_wait() -> int:
+    """A port whose listener is gone but whose server side closed a connection: it lingers in TIME_WAIT. The
+    listener reused addresses, as a router with the hook did, and as Serve's proxy does."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((HOST, 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection((HOST, port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server closes first: its end goes to TIME_WAIT
+    client.recv(1)
+    client.close()
+    listener.close()
+    return port
+
+
+def test_a_restarted_router_binds_its_port_over_the_last_ones_closed_connections():
+    from ray.serve._private import replica as serve_replica
+    from ray.serve.config import HTTPOptions
+
+    from serve_app.ingress import reclaim_own_port_at_restart
+
+    port = _port_in_time_wait()
+    plain = socket.socket()
+    with pytest.raises(OSError):  # how Serve binds a router's port: refused for the next minute
+        plain.bind((HOST, port))
+    plain.close()
+
+    async def serve_once() -> int:
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        task, server = await serve_replica.start_asgi_http_server(app, HTTPOptions(host=HOST, port=port),
+                                                                  event_loop=asyncio.get_running_loop())
+        async with httpx.AsyncClient() as client:
+            status = (await client.get(f"http://{HOST}:{port}/")).status_code
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        return status
+
+    assert reclaim_own_port_at_restart()  # as the router's constructor does, before Serve starts its server
+    assert asyncio.run(serve_once()) == 204
