@@ -25,9 +25,14 @@ s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.
   exit 1
 fi
 
+serve_pid=""
 cleanup() {
   trap - INT TERM EXIT
   echo "stopping Ray ..."
+  if [ -n "$serve_pid" ]; then  # its cluster goes next (a SIGTERM would make Ray print a stack dump)
+    kill -KILL "$serve_pid" 2>/dev/null
+    wait "$serve_pid" 2>/dev/null
+  fi
   "$bin/ray" stop --force >/dev/null 2>&1
 }
 trap cleanup INT TERM EXIT
@@ -46,4 +51,8 @@ fi
   --dashboard-port 8265 --metrics-export-port 8080 || exit 1
 echo "dashboard: http://127.0.0.1:8265   metrics: http://127.0.0.1:8080/metrics"
 echo "API: http://127.0.0.1:$api_port/v1 (the router itself; Serve's proxy serves it too, on the config's http_options.port)"
-"${pin[@]}" "$bin/serve" run --address auto "$config"
+# Waited for rather than run in the foreground: bash runs a trap only when its foreground child has ended, so a
+# supervisor's SIGTERM would have waited for `serve run` to end by itself.
+"${pin[@]}" "$bin/serve" run --address auto "$config" &
+serve_pid=$!
+wait "$serve_pid"
