@@ -43,7 +43,7 @@ from benchmarks.vllm_baseline import resolve_peer_python
 from benchmarks.workloads import MODEL_NAME, add_sampling_args, build_checkpoint, check_sampling_args
 from engine.cpu_list import format_cpu_list
 from serve_app.cpu_plan import cpus_left
-from serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT, apply as apply_serve_env
+from serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "benchmarks" / "peers"
@@ -67,10 +67,8 @@ METRICS = ("completed", "failed", "output_throughput", "mean_e2el_ms", "median_e
 def start_ours(checkpoint: Path, log) -> subprocess.Popen:
     config = Path(tempfile.mkstemp(prefix="bench-vs-vllm-", suffix=".yaml")[1])
     config.write_text((ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint)))
-    env = dict(os.environ)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    apply_serve_env(env, local=True)
-    return subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), str(config)], cwd=ROOT, env=env, stdout=log,
+    # serve.sh sets Serve's environment as make run does (serve_app.ray_env --local) and RAY_AUTH_MODE
+    return subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), str(config)], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -118,7 +118,7 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     from serve_app.app import make_app
     from serve_app.config import AppConfig
     from serve_app.cpu_plan import cpus_left
-    from serve_app.ingress import wait_for_router_port
+    from serve_app.ingress import wait_for_router_url
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rest = cpus_left(parse_cpu_list(engine_cpus)) if engine_cpus else None
@@ -126,7 +126,6 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
         os.sched_setaffinity(0, rest)  # before Ray starts: its processes inherit the mask
     ray_env.apply(local=True)  # as `make run` starts Ray (ray.init below passes the environment on to Ray's processes)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
-    proxy = f"http://{HOST}:{ray_env.LOCAL_PROXY_PORT}"
     serve.start(http_options={"host": HOST, "port": ray_env.LOCAL_PROXY_PORT}, logging_config={"enable_access_log": False})
     extra = {"max_messages_per_s": max_messages_per_s} if max_messages_per_s else {}
     config = AppConfig(model="demo-tiny", engine_args={**ENGINE_ARGS, "num_threads": threads},
@@ -137,14 +136,19 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
         from benchmarks.no_work_engine import NoWorkEngine
 
         engine_cls = NoWorkEngine
+
+    def url(app_name: str, route_prefix: str) -> str:
+        base = (wait_for_router_url(app_name, HOST) if ingress == "router"
+                else f"http://{HOST}:{ray_env.LOCAL_PROXY_PORT}")
+        return base + route_prefix.rstrip("/")
+
     serve.run(make_app(config, engine_cls=engine_cls), name="overhead", route_prefix="/")
-    ours = f"http://{HOST}:{wait_for_router_port('overhead')}" if ingress == "router" else proxy
     if not no_work:
-        return ours, None
+        return url("overhead", "/"), None
     from benchmarks.bare_serve import bare_serve_app
 
     serve.run(bare_serve_app(), name="bare", route_prefix="/bare")
-    return ours, (f"http://{HOST}:{wait_for_router_port('bare')}" if ingress == "router" else proxy) + "/bare"
+    return url("overhead", "/"), url("bare", "/bare")
 
 
 def main() -> None:

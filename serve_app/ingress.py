@@ -23,13 +23,14 @@ def router_ports(app_name: str) -> list[int]:
             if group.protocol == RequestProtocol.HTTP and group.app_name == app_name for target in group.targets]
 
 
-def wait_for_router_port(app_name: str, timeout_s: float = 60.0) -> int:
-    """The first router replica's port, once it serves; ``TimeoutError`` if none does within ``timeout_s``."""
+def wait_for_router_url(app_name: str, host: str, timeout_s: float = 60.0) -> str:
+    """``http://host:port`` of the first router replica, once it serves (``host``: Serve's ``http_options``'); a
+    ``TimeoutError`` if none does within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         ports = router_ports(app_name)
         if ports:
-            return ports[0]
+            return f"http://{host}:{ports[0]}"
         if time.monotonic() > deadline:
             raise TimeoutError(f"no router of application {app_name!r} served HTTP within {timeout_s:.0f} s")
         time.sleep(0.2)

@@ -20,10 +20,12 @@ os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray >= 2.59 turns token auth on for 
 import httpx
 import pytest
 
+from serve_app.ingress import wait_for_router_url
 from tests.serving.apps import DEMO_APP_ARGS, deploy_app
 from tests.serving.helpers import HOST, HTTP_PORT, METRICS_PORT, port_free, wait_idle
 
 DEFAULT_TEST_TIMEOUT_S = 60
+DEMO_APP_NAME = "inflight"
 RAY_NUM_CPUS = 4  # logical CPUs: the demo replica takes 1, the 2-replica app 2 x 0.5; routers and proxy 0
 
 
@@ -60,7 +62,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def demo_app(ray_cluster) -> str:
     """Base URL of the shared demo-tiny app (route prefix ``/``)."""
-    return deploy_app(DEMO_APP_ARGS, name="inflight", route_prefix="/")
+    return deploy_app(DEMO_APP_ARGS, name=DEMO_APP_NAME, route_prefix="/")
 
 
 @pytest.fixture
@@ -68,6 +70,13 @@ def server(demo_app) -> str:
     """The demo app, idle: no request of an earlier test still running, waiting or holding KV blocks."""
     wait_idle(demo_app, timeout=30.0)
     return demo_app
+
+
+@pytest.fixture
+def demo_router(server) -> str:
+    """The same demo app, idle, on its router's own port (Serve's direct ingress: what `make run` serves on :8000)
+    rather than through Serve's proxy."""
+    return wait_for_router_url(DEMO_APP_NAME, HOST)
 
 
 @pytest.fixture

@@ -7,9 +7,7 @@ import time
 import httpx
 import pytest
 
-from serve_app.ingress import wait_for_router_port
 from tests.serving.helpers import (
-    HOST,
     assert_error_body,
     assert_schema,
     chat_body,
@@ -33,7 +31,7 @@ def assert_freed_soon(base_url: str, seconds: float = 3.0) -> None:
 def entry(request, server) -> str:
     """Where a client reaches the app: Serve's proxy (a cluster's entry point) or the router's own port (the API
     port of `make run`); each notices a client that hangs up its own way."""
-    return server if request.param == "proxy" else f"http://{HOST}:{wait_for_router_port('inflight')}"
+    return server if request.param == "proxy" else request.getfixturevalue("demo_router")
 
 
 @pytest.mark.parametrize("path, make", [("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)],

@@ -14,15 +14,9 @@ import socket
 import httpx
 import pytest
 
-from serve_app.ingress import wait_for_router_port
 from tests.serving.helpers import HOST, SSEStream, assert_error_body, completion_body, parse_sse
 
 pytestmark = pytest.mark.timeout(90, func_only=True)
-
-
-@pytest.fixture
-def router_url(server) -> str:
-    return f"http://{HOST}:{wait_for_router_port('inflight')}"
 
 
 def _stream(client: httpx.Client, url: str, body: dict) -> SSEStream:
@@ -31,22 +25,22 @@ def _stream(client: httpx.Client, url: str, body: dict) -> SSEStream:
         return parse_sse(response.read().decode())
 
 
-def test_the_router_port_answers_as_the_proxy_does(server, router_url):
+def test_the_router_port_answers_as_the_proxy_does(server, demo_router):
     body = completion_body(max_tokens=12, temperature=0, ignore_eos=True)
     with httpx.Client(timeout=60) as client:
-        assert client.get(router_url + "/v1/models").json()["data"][0]["id"] == body["model"]
+        assert client.get(demo_router + "/v1/models").json()["data"][0]["id"] == body["model"]
         through_proxy = client.post(server + "/v1/completions", json=body).json()["choices"][0]["text"]
-        direct = client.post(router_url + "/v1/completions", json=body).json()
-        streamed = _stream(client, router_url, body)
+        direct = client.post(demo_router + "/v1/completions", json=body).json()
+        streamed = _stream(client, demo_router, body)
     assert direct["choices"][0]["text"] == through_proxy
     assert direct["usage"]["completion_tokens"] == 12
     assert streamed.done and streamed.text() == through_proxy
 
 
-def test_bad_input_on_the_router_port_is_a_400_with_the_error_body(router_url):
+def test_bad_input_on_the_router_port_is_a_400_with_the_error_body(demo_router):
     with httpx.Client(timeout=60) as client:
-        response = client.post(router_url + "/v1/completions", json=completion_body(max_tokens=-1))
-        not_json = client.post(router_url + "/v1/completions", content=b"{not json",
+        response = client.post(demo_router + "/v1/completions", json=completion_body(max_tokens=-1))
+        not_json = client.post(demo_router + "/v1/completions", content=b"{not json",
                                headers={"content-type": "application/json"})
     assert assert_error_body(response, 400)["param"] == "max_tokens"
     assert_error_body(not_json, 400)
