@@ -1,14 +1,19 @@
 """Our server and vLLM's, side by side, through vLLM's own benchmark client (`vllm bench serve`, unmodified).
 
 Both serve the benchmark checkpoint (``benchmarks.workloads``) with the same sizes: 8,000 tokens of KV, 64
-batch slots, 2,048 tokens per step, ``max_model_len`` 2,048, float32, one compute thread each. Ours is
+batch slots, 2,048 tokens per step, ``max_model_len`` 2,048, float32, one compute thread each (but the
+``-all-cpus`` systems, below). Ours is
 ``configs/bench-vs-vllm.yaml`` started as ``make run`` starts a config (``scripts/serve.sh``): its engine
 process on CPU 0, Ray's processes on the others, the API on :8000 served by the router replica itself (Serve's
 direct ingress, ``serve_app/ray_env.py``). vLLM's is ``benchmarks/peers/vllm_serve.py`` (port 8001), twice: with
 its defaults (``vllm``: its compute thread bound by ``VLLM_CPU_OMP_THREADS_BIND=auto``), and placed as ours
 (``vllm-isolated``: compute thread on CPU 0, the server under ``taskset`` on the others). ``ours-proxy`` is the
 same server of ours with the client on Serve's proxy (the config's :8100), the hop a cluster's entry point adds.
-The client always runs on the CPUs other than 0. One server at a time, alternating, each started
+``ours-all-cpus`` and ``vllm-all-cpus`` compute with one thread per CPU instead (ours: ``num_threads`` as many,
+no ``engine_cpus``, so Ray shares every CPU with it; vLLM: ``VLLM_CPU_OMP_THREADS_BIND`` lists them all): under
+64 concurrent requests the serving processes use a fraction of the second core, which a second compute thread
+can take (on the 2-core benchmark machine 13-20% more output tokens/s for ours, none for vLLM:
+docs/benchmarks.md). The client always runs on the CPUs other than 0. One server at a time, alternating, each started
 afresh for its turn; per turn, with ``vllm bench serve`` (random dataset, prompts of 50-800 tokens, outputs
 of 20-200 with ``ignore_eos``, greedy):
 
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from benchmarks.vllm_baseline import resolve_peer_python
 from benchmarks.workloads import MODEL_NAME, add_sampling_args, build_checkpoint, check_sampling_args
@@ -48,8 +54,13 @@ from serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "benchmarks" / "peers"
 # ours: the API port of `make run` (the router itself); ours-proxy: the same server through Serve's proxy
-PORTS = {"ours": API_PORT, "ours-proxy": LOCAL_PROXY_PORT, "vllm": 8001, "vllm-isolated": 8001}
+PORTS = {"ours": API_PORT, "ours-proxy": LOCAL_PROXY_PORT, "ours-all-cpus": API_PORT,
+         "vllm": 8001, "vllm-isolated": 8001, "vllm-all-cpus": 8001}
 ENGINE_CPU = 0  # ours: configs/bench-vs-vllm.yaml's engine_cpus; vLLM isolated: its compute thread's core
+
+
+def all_cpus() -> set[int]:
+    return set(os.sched_getaffinity(0))
 
 
 def other_cpus() -> str:
@@ -64,17 +75,31 @@ METRICS = ("completed", "failed", "output_throughput", "mean_e2el_ms", "median_e
            "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "duration")
 
 
-def start_ours(checkpoint: Path, log) -> subprocess.Popen:
+def bench_config(checkpoint: Path, num_threads: int | None = None) -> str:
+    """configs/bench-vs-vllm.yaml for ``checkpoint``; with ``num_threads``, its engine computes with that many
+    threads on no CPUs of its own (no ``engine_cpus``: Ray's processes share every CPU with it)."""
+    text = (ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint))
+    if num_threads is None:
+        return text
+    config = yaml.safe_load(text)
+    app = config["applications"][0]["args"]
+    app["engine_args"]["num_threads"] = num_threads
+    del app["engine_cpus"]
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def start_ours(checkpoint: Path, log, num_threads: int | None = None) -> subprocess.Popen:
     config = Path(tempfile.mkstemp(prefix="bench-vs-vllm-", suffix=".yaml")[1])
-    config.write_text((ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint)))
+    config.write_text(bench_config(checkpoint, num_threads))
     # serve.sh sets Serve's environment as make run does (serve_app.ray_env --local) and RAY_AUTH_MODE
     return subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), str(config)], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def start_vllm(peer_python: str, threads_bind: str, isolated: bool, log) -> subprocess.Popen:
-    """vLLM's server; ``isolated``: as ours runs, its compute thread on the engine's CPU and everything else
-    (its API server, its engine process's other threads) on the other CPUs."""
+    """vLLM's server, its compute threads bound by ``threads_bind``; ``isolated``: as ours runs, its compute
+    thread on the engine's CPU and everything else (its API server, its engine process's other threads) on the
+    other CPUs."""
     argv = [peer_python, str(PEERS / "vllm_serve.py"), "--threads-bind", str(ENGINE_CPU) if isolated else threads_bind]
     if isolated:
         argv = ["taskset", "-c", other_cpus(), *argv]
@@ -137,8 +162,11 @@ def load_average() -> float:
 
 def one_turn(system: str, args, peer_python: str, checkpoint: Path, workdir: Path, round_index: int) -> dict:
     log = open(workdir / f"{system}-{round_index}.log", "w")
-    server = (start_ours(checkpoint, log) if system.startswith("ours")
-              else start_vllm(peer_python, args.vllm_threads_bind, system == "vllm-isolated", log))
+    if system.startswith("ours"):
+        server = start_ours(checkpoint, log, len(all_cpus()) if system == "ours-all-cpus" else None)
+    else:
+        threads_bind = format_cpu_list(all_cpus()) if system == "vllm-all-cpus" else args.vllm_threads_bind
+        server = start_vllm(peer_python, threads_bind, system == "vllm-isolated", log)
     port = PORTS[system]
     try:
         wait_ready(port, server)
@@ -190,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--one-stream-prompts", type=int, default=16)
-    parser.add_argument("--systems", default="ours,vllm,vllm-isolated",
+    parser.add_argument("--systems", default="ours,ours-all-cpus,vllm,vllm-all-cpus",
                         help="which servers, in the first round's order: ours (make run's API port, the router itself), "
                              "ours-proxy (the same through Serve's proxy), vllm (its defaults, --vllm-threads-bind), "
-                             "vllm-isolated (its compute thread alone on CPU 0, as ours, the rest on the other CPUs)")
+                             "vllm-isolated (its compute thread alone on CPU 0, as ours, the rest on the other CPUs), "
+                             "ours-all-cpus and vllm-all-cpus (a compute thread on every CPU, shared with the rest)")
     parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python")
     parser.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core)")
     parser.add_argument("--cache-dir", default=None, help="where the benchmark checkpoint is built")
