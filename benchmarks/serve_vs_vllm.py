@@ -1,21 +1,20 @@
 """Our server and vLLM's, side by side, through vLLM's own benchmark client (`vllm bench serve`, unmodified).
 
-Both serve the benchmark checkpoint (``benchmarks.workloads``) with the same sizes: 8,000 tokens of KV, 64
-batch slots, 2,048 tokens per step, ``max_model_len`` 2,048, float32, one compute thread each (but the
-``-all-cpus`` systems, below). Ours is
-``configs/bench-vs-vllm.yaml`` started as ``make run`` starts a config (``scripts/serve.sh``): its engine
-process on CPU 0, Ray's processes on the others, the API on :8000 served by the router replica itself (Serve's
-direct ingress, ``serve_app/ray_env.py``). vLLM's is ``benchmarks/peers/vllm_serve.py`` (port 8001), twice: with
-its defaults (``vllm``: its compute thread bound by ``VLLM_CPU_OMP_THREADS_BIND=auto``), and placed as ours
-(``vllm-isolated``: compute thread on CPU 0, the server under ``taskset`` on the others). ``ours-proxy`` is the
-same server of ours with the client on Serve's proxy (the config's :8100), the hop a cluster's entry point adds.
-``ours-all-cpus`` and ``vllm-all-cpus`` compute with one thread per CPU instead (ours: ``num_threads`` as many,
-no ``engine_cpus``, so Ray shares every CPU with it; vLLM: ``VLLM_CPU_OMP_THREADS_BIND`` lists them all): under
-64 concurrent requests the serving processes use a fraction of the second core, which a second compute thread
-can take (on the 2-core benchmark machine 12-15% more output tokens/s for ours, -2% to +20% for vLLM, in the
-same runs: docs/benchmarks.md). The client always runs on the CPUs other than 0. One server at a time, alternating, each started
-afresh for its turn; per turn, with ``vllm bench serve`` (random dataset, prompts of 50-800 tokens, outputs
-of 20-200 with ``ignore_eos``, greedy):
+Both serve the benchmark checkpoint (``benchmarks.workloads``) with the same sizes: 8,000 tokens of KV, 64 batch
+slots, 2,048 tokens per step, ``max_model_len`` 2,048, float32, one compute thread each (but the ``-all-cpus``
+systems, below). Ours is ``configs/bench-vs-vllm.yaml`` started as ``make run`` starts a config
+(``scripts/serve.sh``): its engine process on CPU 0, Ray's processes on the others, the API on :8000 served by the
+router replica itself (Serve's direct ingress, ``serve_app/ray_env.py``). vLLM's is
+``benchmarks/peers/vllm_serve.py`` (port 8001), twice: with its defaults (``vllm``: its compute thread bound by
+``VLLM_CPU_OMP_THREADS_BIND=auto``), and placed as ours (``vllm-isolated``: compute thread on CPU 0, the server
+under ``taskset`` on the others). ``ours-proxy`` is the same server of ours with the client on Serve's proxy (the
+config's :8100), the hop a cluster's entry point adds. ``ours-all-cpus`` and ``vllm-all-cpus`` compute with one
+thread per CPU instead (ours: ``num_threads`` as many, no ``engine_cpus``, so Ray shares every CPU with it; vLLM:
+``VLLM_CPU_OMP_THREADS_BIND`` lists them all): under 64 concurrent requests the serving processes use a fraction of
+the second core, which a second compute thread can take (on the 2-core benchmark machine 12-15% more output
+tokens/s for ours, -2% to +20% for vLLM, in the same runs: docs/benchmarks.md). The client always runs on the CPUs
+other than 0. One server at a time, alternating, each started afresh for its turn; per turn, with ``vllm bench
+serve`` (random dataset, prompts of 50-800 tokens, outputs of 20-200 with ``ignore_eos``, greedy):
 
   * a warm-up of 8 requests (other prompts than the measured ones), not counted;
   * ``--num-prompts`` requests sent at once, at most ``--concurrency`` in flight;
