@@ -48,13 +48,18 @@ LOCAL_SERVE_ENV = {
 }
 
 
+def serve_env(local: bool = False) -> dict[str, str]:
+    """The settings: a cluster's, or (``local``) one machine's ``make run``."""
+    return LOCAL_SERVE_ENV if local else SERVE_ENV
+
+
 def apply(environ: dict[str, str] | None = None, local: bool = False) -> None:
     """Set what is not set yet (a value the operator chose wins); ``local``: one machine's ``make run``."""
     environ = os.environ if environ is None else environ
-    for key, value in (LOCAL_SERVE_ENV if local else SERVE_ENV).items():
+    for key, value in serve_env(local).items():
         environ.setdefault(key, value)
 
 
 if __name__ == "__main__":  # for shells: eval "$(python -m serve_app.ray_env [--local])"
-    for key, value in (LOCAL_SERVE_ENV if "--local" in sys.argv[1:] else SERVE_ENV).items():
+    for key, value in serve_env("--local" in sys.argv[1:]).items():
         print(f'export {key}="${{{key}:-{value}}}"')

@@ -46,7 +46,6 @@ def test_bad_input_on_the_router_port_is_a_400_with_the_error_body(demo_router):
     assert_error_body(not_json, 400)
 
 
-
 def _port_in_time_wait() -> int:
     """A port whose listener is gone but whose server side closed a connection: it lingers in TIME_WAIT. The
     listener reused addresses, as a router with the hook did, and as Serve's proxy does."""
