@@ -24,11 +24,10 @@ import statistics
 import time
 from typing import Awaitable, Callable
 
-import httpx
 from tqdm import tqdm
 
 from benchmarks.no_work_engine import STEP_S
-from benchmarks.openai_client import stream_completion
+from benchmarks.openai_client import client_session, stream_completion
 from benchmarks.report import format_table, write_json
 from benchmarks.serve_processes import cpu_by_role, sample_processes
 from engine.cpu_list import parse_cpu_list
@@ -81,23 +80,28 @@ async def engine_run(engine, streams: list[list[list[int]]], max_tokens: int) ->
     return [t for t, _ in results], sum(n for _, n in results) / wall
 
 
-def offline_tokens_per_s(batch: list[list[int]], max_tokens: int, threads: int) -> float:
+def offline_tokens_per_s(batch: list[list[int]], max_tokens: int, threads: int, repeats: int = 3) -> float:
+    """The median of ``repeats`` runs: one run of a second or two swings by 10% on a shared machine, and it is
+    the denominator of the share."""
     from engine import LLM, SamplingParams
 
     llm = LLM("demo-tiny", num_threads=threads, **ENGINE_ARGS)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
     llm.generate(batch[:2], params)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(batch, params)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(batch, params)
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 # -- through Ray Serve and HTTP --------------------------------------------------------------------------
 async def http_run(streams: list[list[list[int]]], max_tokens: int, base_url: str) -> tuple[list[float], float, int]:
     """(TTFTs, output tokens/s, failed requests) of ``streams`` through the server's /v1/completions."""
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=256)) as client:
+    async with client_session(256, 300) as session:
         async def one(prompt):
-            return await stream_completion(client, base_url, "demo-tiny", prompt, max_tokens, ignore_eos=True,
+            return await stream_completion(session, base_url, "demo-tiny", prompt, max_tokens, ignore_eos=True,
                                            temperature=0)
         results, wall = await closed_loop(one, streams)
     errors = sum(not r.ok for r in results)
@@ -111,10 +115,14 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     Ray Serve app, on ``ingress``: the routers' own ports, or Serve's proxy. With ``engine_cpus``, as ``make
     run`` serves a config with them: the replica's engine process on those CPUs, and this process, so Ray and
     everything it starts (and the load generator), on the others."""
+    from serve_app import ray_env
+
+    # As `make run` starts Ray (ray.init below passes the environment on to Ray's processes), and before ray.serve
+    # is imported here: Serve reads its settings once, and the handles this process builds keep them.
+    ray_env.apply(local=True)
     import ray
     from ray import serve
 
-    from serve_app import ray_env
     from serve_app.app import make_app
     from serve_app.config import AppConfig
     from serve_app.cpu_plan import cpus_left
@@ -124,7 +132,6 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     rest = cpus_left(parse_cpu_list(engine_cpus)) if engine_cpus else None
     if rest:
         os.sched_setaffinity(0, rest)  # before Ray starts: its processes inherit the mask
-    ray_env.apply(local=True)  # as `make run` starts Ray (ray.init below passes the environment on to Ray's processes)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": HOST, "port": ray_env.LOCAL_PROXY_PORT}, logging_config={"enable_access_log": False})
     extra = {"max_messages_per_s": max_messages_per_s} if max_messages_per_s else {}

@@ -54,10 +54,20 @@ def serve_env(local: bool = False) -> dict[str, str]:
 
 
 def apply(environ: dict[str, str] | None = None, local: bool = False) -> None:
-    """Set what is not set yet (a value the operator chose wins); ``local``: one machine's ``make run``."""
+    """Set what is not set yet (a value the operator chose wins); ``local``: one machine's ``make run``.
+
+    Raises ``RuntimeError`` when this process has already imported Serve's constants without these settings:
+    they are read once, at import, and a handle this process makes would carry the old ones into the cluster
+    (a benchmark that did so measured Ray's by-reference calls between router and replica, not the gRPC
+    calls that ``make run``'s app makes)."""
     environ = os.environ if environ is None else environ
     for key, value in serve_env(local).items():
         environ.setdefault(key, value)
+    constants = sys.modules.get("ray.serve._private.constants")
+    if environ is os.environ and constants is not None and not constants.RAY_SERVE_THROUGHPUT_OPTIMIZED \
+            and environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1":
+        raise RuntimeError("serve_app.ray_env.apply() came after ray.serve was imported: apply it first, before "
+                           "anything imports ray.serve")
 
 
 if __name__ == "__main__":  # for shells: eval "$(python -m serve_app.ray_env [--local])"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,20 @@ def test_a_local_config_leaves_the_api_port_to_its_router(path):
 def test_the_cluster_config_keeps_serves_proxy_on_the_service_port():
     raw = yaml.safe_load((CONFIGS[0].parent / "gpu-llama.yaml").read_text())
     assert raw["http_options"]["port"] == 8000  # KubeRay's serve Service targets the proxy there (k8s/)
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}  # as a fresh shell has it
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[2], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_serve_settings_applied_after_ray_serve_is_imported_are_refused():
+    """Serve reads its settings once, at import, and a handle made in that process keeps them: applied too late,
+    the app's router would call its replicas the way make run's does not (by reference rather than by gRPC)."""
+    late = _python("import ray.serve\nfrom serve_app import ray_env\nray_env.apply(local=True)")
+    assert late.returncode != 0 and "apply it first" in late.stderr
+    early = _python("from serve_app import ray_env\nray_env.apply(local=True)\n"
+                    "from ray.serve._private.handle_options import DynamicHandleOptions\n"
+                    "assert not DynamicHandleOptions()._by_reference")
+    assert early.returncode == 0, early.stderr
