@@ -26,13 +26,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
 from benchmarks.arrivals import arrival_times, load_trace
 from benchmarks.metrics import SLO, RequestLatency, goodput, inter_token_latencies, summarize, time_per_output_token
-from benchmarks.openai_client import stream_completion
+from benchmarks.openai_client import CLIENT_ERRORS, client_session, stream_completion
 from benchmarks.report import load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.workloads import WORKLOADS, build_workload, positive_int
 
@@ -75,34 +75,32 @@ class RequestResult:
 
 
 # -- sending ---------------------------------------------------------------------------------------------
-async def send_one(client: httpx.AsyncClient, base_url: str, model: str, request: LoadRequest,
+async def send_one(session: aiohttp.ClientSession, base_url: str, model: str, request: LoadRequest,
                    extra: dict[str, Any]) -> RequestResult:
     try:
-        result = await stream_completion(client, base_url, model, request.prompt_token_ids, request.max_tokens,
+        result = await stream_completion(session, base_url, model, request.prompt_token_ids, request.max_tokens,
                                          **extra)
-    except httpx.HTTPError as e:
+    except CLIENT_ERRORS as e:
         return RequestResult(None, error=f"{type(e).__name__}: {e}")
     return RequestResult(result.status, result.error, result.ttft_s, result.e2e_s, result.num_tokens,
                          result.chunk_times_s)
 
 
 async def run_load(base_url: str, model: str, requests: Sequence[LoadRequest], arrivals_s: Sequence[float],
-                   max_concurrency: int | None, extra: dict[str, Any], timeout_s: float, desc: str,
-                   transport: httpx.AsyncBaseTransport | None = None) -> tuple[list[RequestResult], float]:
+                   max_concurrency: int | None, extra: dict[str, Any], timeout_s: float,
+                   desc: str) -> tuple[list[RequestResult], float]:
     """Send each request at its arrival time (or later, when ``max_concurrency`` are in flight); returns the
-    results in request order and the seconds from the first send to the last completion. ``transport`` is for
-    tests (httpx's mock transport)."""
+    results in request order and the seconds from the first send to the last completion."""
     limit = max_concurrency or len(requests)
     gate = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, transport=transport) as client:
+    async with client_session(limit, timeout_s) as session:
         bar = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, leave=False)
         start = time.perf_counter()
 
         async def one(request: LoadRequest, arrival_s: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + arrival_s - time.perf_counter()))
             async with gate:
-                result = await send_one(client, base_url, model, request, extra)
+                result = await send_one(session, base_url, model, request, extra)
             bar.update(1)
             return result
 
@@ -113,10 +111,10 @@ async def run_load(base_url: str, model: str, requests: Sequence[LoadRequest], a
 
 
 async def first_model(base_url: str, timeout_s: float) -> str:
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        response = await client.get(f"{base_url}/v1/models")
-        response.raise_for_status()
-        models = response.json().get("data") or []
+    async with client_session(1, timeout_s) as session:
+        async with session.get(f"{base_url}/v1/models") as response:
+            response.raise_for_status()
+            models = (await response.json()).get("data") or []
     if not models:
         raise ValueError(f"--model: {base_url}/v1/models lists no model; name one")
     return models[0]["id"]
@@ -273,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         model = args.model or asyncio.run(first_model(args.base_url, args.timeout_s))
-    except httpx.HTTPError as e:
+    except CLIENT_ERRORS as e:
         print(f"error: --base-url {args.base_url}: cannot list models ({type(e).__name__}: {e})", file=sys.stderr)
         return 2
     requests = make_requests(args.lengths, args.vocab_range, args.seed)

@@ -1,12 +1,14 @@
-"""benchmarks.serving against httpx's mock transport: streaming timings, failures by status, concurrency cap."""
+"""benchmarks.serving against a real HTTP server on this machine (aiohttp's): streaming timings, failures by
+status, concurrency cap, a refused connection."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
-import httpx
 import pytest
+from aiohttp import web
 
 from benchmarks import serving
 from benchmarks.metrics import SLO
@@ -18,32 +20,51 @@ def sse(*events) -> bytes:
 
 
 class FakeServer:
-    """Streams ``max_tokens`` one-token chunks; prompts starting with 429 / 500 / 999 get that status / an error
-    event. Records the most requests it had in flight at once."""
+    """Streams ``max_tokens`` one-token chunks, each its own write; prompts starting with 429 / 500 / 999 get that
+    status / an error event. Records the most requests it had in flight at once."""
 
     def __init__(self) -> None:
         self.in_flight = 0
         self.max_in_flight = 0
+        self.connections: set[int] = set()
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.connections.add(id(request.transport))
+        body = await request.json()
         first = body["prompt"][0]
         if first in (429, 500):
-            return httpx.Response(first, json={"error": {"message": "no"}})
+            return web.json_response({"error": {"message": "no"}}, status=first)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         await asyncio.sleep(0.01)
         self.in_flight -= 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
         if first == 999:
-            return httpx.Response(200, content=sse({"error": {"message": "engine died"}}, "[DONE]"))
-        chunks = [{"choices": [{"text": "x"}]} for _ in range(body["max_tokens"])]
-        usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
-        return httpx.Response(200, content=sse(*chunks, usage, "[DONE]"))
+            await response.write(sse({"error": {"message": "engine died"}}, "[DONE]"))
+            return response
+        for _ in range(body["max_tokens"]):
+            await response.write(sse({"choices": [{"text": "x"}]}))
+        await response.write(sse({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}, "[DONE]"))
+        return response
+
+
+async def _served(server: FakeServer, requests, arrivals, max_concurrency):
+    app = web.Application()
+    app.router.add_post("/v1/completions", server.completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        return await run_load(f"http://127.0.0.1:{port}", "m", requests, arrivals, max_concurrency, {}, 10.0, "test")
+    finally:
+        await runner.cleanup()
 
 
 def run(requests, arrivals, max_concurrency=None, server=None):
-    return asyncio.run(run_load("http://test", "m", requests, arrivals, max_concurrency, {}, 10.0, "test",
-                                transport=httpx.MockTransport(server or FakeServer())))
+    return asyncio.run(_served(server or FakeServer(), requests, arrivals, max_concurrency))
 
 
 def test_failures_are_counted_by_status_with_429_apart():
@@ -64,11 +85,20 @@ def test_max_concurrency_caps_requests_in_flight():
     assert all(r.ok for r in results) and server.max_in_flight == 2
 
 
-def test_a_refused_connection_is_a_failure_without_status():
-    def refuse(request):
-        raise httpx.ConnectError("refused")
+def test_requests_one_after_another_keep_one_connection():
+    """The client reads each stream to its end, so the next request reuses the connection, as a real client's
+    would: a new connection per request costs both ends CPU the benchmark would charge to the server."""
+    server = FakeServer()
+    results, _ = run([LoadRequest([7], 3)] * 4, [0.0] * 4, max_concurrency=1, server=server)
+    assert all(r.ok for r in results) and len(server.connections) == 1
 
-    results, _ = run([LoadRequest([7], 2)], [0.0], server=refuse)
+
+def test_a_refused_connection_is_a_failure_without_status():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results, _ = asyncio.run(run_load(f"http://127.0.0.1:{port}", "m", [LoadRequest([7], 2)], [0.0], None, {}, 10.0,
+                                      "test"))
     assert results[0].failure == "no response" and results[0].status is None
 
 
