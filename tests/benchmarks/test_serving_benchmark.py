@@ -26,10 +26,10 @@ class FakeServer:
     def __init__(self) -> None:
         self.in_flight = 0
         self.max_in_flight = 0
-        self.connections: set[int] = set()
+        self.connections: set[tuple] = set()  # the clients' (host, port): one per connection
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self.connections.add(id(request.transport))
+        self.connections.add(request.transport.get_extra_info("peername"))
         body = await request.json()
         first = body["prompt"][0]
         if first in (429, 500):
@@ -54,9 +54,8 @@ async def _served(server: FakeServer, requests, arrivals, max_concurrency):
     app.router.add_post("/v1/completions", server.completions)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
     try:
         return await run_load(f"http://127.0.0.1:{port}", "m", requests, arrivals, max_concurrency, {}, 10.0, "test")
     finally:
