@@ -27,6 +27,7 @@ class RouterConfig(BaseModel):
     tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
     default_tenant_limits: TenantLimits | None = None
     stream_channel: bool = True  # serve_app.stream_channel
+    max_requests_per_replica: int = Field(default=512, ge=1)  # sent down one replica's connection at once
 
 
 class AppConfig(BaseModel):
@@ -80,10 +81,11 @@ class AppConfig(BaseModel):
     # A request body not received whole within this many seconds (a client trickling it) is answered 408 and
     # its connection closed (serve_app.gate); the body is read before admission, so it never holds a slot.
     body_timeout_s: float = Field(default=30.0, gt=0)
-    # Replicas send a request's tokens to its router on a TCP connection of their own (serve_app.stream_channel)
-    # rather than as items of the Serve call, which then carries only the acknowledgement and the end: a Ray
-    # message per item costs CPU the engine needs, and the first token a hop. The router listens on its node's
-    # address, on a port the OS picks (open it between the Ray pods, as Ray's own ports). false: all through Serve.
+    # Each replica keeps a TCP connection to each router (serve_app.stream_channel): requests go down it and their
+    # tokens come back up it, rather than as Serve calls and their items (a Ray call and a Ray message per item cost
+    # CPU the engine needs, and the first token two hops); Serve still runs, heals, drains and scales the replicas.
+    # The router listens on its node's address, on a port the OS picks (open it between the Ray pods, as Ray's own
+    # ports). false: all through Serve.
     stream_channel: bool = True
 
     @field_validator("api_keys_file")
@@ -132,7 +134,8 @@ class AppConfig(BaseModel):
                             max_migrations=self.max_migrations,
                             api_keys_file=self.api_keys_file, tenant_limits=self.tenant_limits,
                             default_tenant_limits=self.default_tenant_limits, body_timeout_s=self.body_timeout_s,
-                            stream_channel=self.stream_channel)
+                            stream_channel=self.stream_channel,
+                            max_requests_per_replica=self.max_ongoing_requests_per_replica)
 
 
 def with_llm_policy(autoscaling_config: dict[str, Any]) -> dict[str, Any]:

@@ -3,9 +3,11 @@
 The engine class is injected (``engine_cls``) so tests and other engines can stand in. Messages are
 plain dicts, never tensors: chunks of new tokens, the first of them also saying ``"started"`` with the
 prompt's length, or a single ``{"error": ...}`` when the request is refused. (The first tokens and
-the acknowledgement travel in one message: one round trip less before the first token.) When the
-request brings a ``route``, the messages go on the router's stream channel (``serve_app.stream_channel``)
-and the call yields nothing: it ends when they have all been sent, or fails when the replica is lost.
+the acknowledgement travel in one message: one round trip less before the first token.) Requests come
+two ways: down a router's connection (``serve_app.stream_channel``; each router introduces itself with
+``connect``), their messages going back up it; or as Serve calls, whose messages go up the router's
+connection too when the request brings a ``route`` (the call then yields nothing: it ends when they have
+all been sent, or fails when the replica is lost), else as the call's own items.
 
 Messages cost CPU that the engine shares (through Ray Serve a few thousand per second is all two
 cores give; on the channel each chunk still becomes an SSE event that the proxy relays), so the replica paces them: the first tokens go at once (time to first token is
@@ -35,11 +37,11 @@ from serve_app.errors import (APIError, BadRequestError, EngineLost, OverloadedE
                               ServiceUnavailableError, param_of_value_error)
 from serve_app.metrics import ReplicaMetrics
 from serve_app.responses import pack_embedding
-from serve_app.stream_channel import StreamOutbox
+from serve_app.stream_channel import HEARTBEAT_S, ReplicaConnection, StreamOutbox
 
 logger = logging.getLogger("ray.serve")
 
-STATS_PERIOD_S = 0.5
+STATS_PERIOD_S = HEARTBEAT_S  # the engine's gauges, and the stats each router gets on its connection
 STRUCTURED_COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is a 400
 
 
@@ -65,7 +67,8 @@ class LLMReplica:
             self.replica_id = "local"
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self._stats_task: asyncio.Task | None = None
-        self.outbox = StreamOutbox()
+        self.outbox = StreamOutbox(self.replica_id, on_frame=self._on_channel_frame, on_close=_abort_its_requests)
+        self.draining = False
         self.engine.death_observer = _exit_without_an_engine
 
     # -- requests -----------------------------------------------------------------------------------
@@ -90,6 +93,70 @@ class LLMReplica:
             # Not this request's fault, nor the client's: the router continues it elsewhere. (When the replica's
             # actor is killed, its engine's process can die a moment before it, and this is what the call sees.)
             raise EngineLost(str(e)) from None
+
+    # -- requests on the stream channel ----------------------------------------------------------------
+    async def connect(self, address: dict[str, Any]) -> str | None:
+        """A router introduces itself (``handle.broadcast``, every second): connect to it if not connected, so that
+        it can send requests down the connection instead of through Serve. Returns this replica's id (None once
+        it is draining: it takes nothing new)."""
+        if self.draining:
+            return None
+        self.outbox.connection(address)
+        self._ensure_stats_task()
+        return self.replica_id
+
+    def _on_channel_frame(self, connection: ReplicaConnection, frame: list) -> None:
+        for op, payload in frame:
+            if op == "generate":
+                key = payload["route"]["key"]
+                task = asyncio.get_running_loop().create_task(self._generate_on(connection, key, payload))
+                connection.tasks[key] = task
+                task.add_done_callback(lambda _, key=key: connection.tasks.pop(key, None))
+            elif op == "abort":
+                task = connection.tasks.get(payload)
+                if task is not None:
+                    task.cancel()  # leaving the stream aborts the request in the engine
+
+    async def _generate_on(self, connection: ReplicaConnection, key: int, request: dict[str, Any]) -> None:
+        """A request that came on a router's connection: its messages go back up it, and so does how it ended
+        when that is not a last message (``lost``: the engine died; ``failed``: a bug here)."""
+        if self.draining:  # sent before the router heard that this replica is draining: it goes elsewhere
+            connection.send(key, {"draining": True})
+            return
+        self._ensure_stats_task()
+        messages = self._messages(request)
+        try:
+            async for message in messages:
+                connection.send(key, message)
+        except EngineDeadError as e:
+            _send_if_open(connection, key, {"lost": str(e)})
+        except ConnectionError:
+            pass  # the router is gone; its connection's close aborts the rest
+        except Exception as e:
+            logger.exception("request %s failed", request.get("request_id"))
+            _send_if_open(connection, key, {"failed": type(e).__name__})
+        finally:
+            await messages.aclose()
+
+    def __del__(self):
+        """Serve stops this replica (scale-down, redeploy): it takes no new request, and the requests it runs get
+        until Serve's graceful timeout (``drain_timeout_s``) to finish; whatever is left then continues on another
+        replica (the router's migration). Serve waits for its own calls before this; the channel's are waited for
+        here: Serve awaits the coroutine returned. (Not an ``async def``: collected outside Serve, with no router
+        connected, there is nothing to wait for, and no coroutine is left un-awaited.)"""
+        if getattr(self, "draining", True) or all(c.broken for c in self.outbox.connections()):
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the garbage collector's call, outside any event loop
+            return None
+        self.draining = True
+        self.outbox.tell_all({"draining": True})
+        return self._wait_for_channel_requests()
+
+    async def _wait_for_channel_requests(self) -> None:
+        while any(c.tasks for c in self.outbox.connections()):
+            await asyncio.sleep(0.1)
 
     async def _messages(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self._ensure_stats_task()
@@ -292,6 +359,8 @@ class LLMReplica:
         while True:
             try:
                 self.metrics.observe_stats(self.engine.stats())
+                if len(self.outbox):  # each router's view of this replica's load, and a heartbeat
+                    self.outbox.tell_all({"stats": self.stats()})
             except Exception:  # metrics must never take the replica down
                 logger.exception("failed to publish engine metrics")
             await asyncio.sleep(STATS_PERIOD_S)
@@ -306,6 +375,20 @@ def _exit_without_an_engine(error: BaseException) -> None:
     for handler in logging.getLogger().handlers:
         handler.flush()
     os._exit(1)
+
+
+def _abort_its_requests(connection: ReplicaConnection) -> None:
+    """A router's connection closed: nobody is left to read its requests' tokens, so they are aborted (their
+    router, if it lives, continues them elsewhere)."""
+    for task in list(connection.tasks.values()):
+        task.cancel()
+
+
+def _send_if_open(connection: ReplicaConnection, key: int, message: dict[str, Any]) -> None:
+    try:
+        connection.send(key, message)
+    except ConnectionError:
+        pass
 
 
 def _continuations(continue_from: list[dict[str, Any]] | None) -> dict[int, Continuation] | None:

@@ -20,8 +20,13 @@ from typing import Any, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from engine.block_hash import request_salt
-from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, prompt_block_hashes
+from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_block_hashes
+
+# Each deployment's live replica ids, (app, deployment) -> ids, as this process's request routers last heard from
+# Serve's controller: the router deployment sends requests down replicas' own connections only while those cover
+# this set (serve_app.stream_channel), so a new replica is reached through Serve until it is connected.
+LIVE_REPLICAS: dict[tuple[str, str], frozenset[str]] = {}
+
 
 class LLMRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "least_loaded", load_cap: float = 1.5, **_: Any) -> None:
@@ -36,13 +41,8 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
         now = time.time()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = [ReplicaLoad(rid, self.in_flight[rid], fresh_stats(r.routing_stats, now)) for rid, r in by_id.items()]
-        hashes = None
-        if (self.policy.policy == "prefix_affinity" and pending_request is not None and pending_request.args
-                and isinstance(pending_request.args[0], dict)):
-            request = pending_request.args[0]
-            params = request.get("params", {})
-            hashes = prompt_block_hashes(request.get("prompt_token_ids"), [r.routing_stats for r in candidate_replicas],
-                                         request_salt(params.get("cache_salt"), params.get("tenant")))
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        hashes = request_block_hashes(self.policy, request, [r.routing_stats for r in candidate_replicas])
         ranked = self.policy.rank(loads, hashes)
         if pending_request is not None and ranked:
             self._count(pending_request.metadata.internal_request_id, ranked[0].replica_id)
@@ -50,6 +50,8 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        deployment = self._deployment_id
+        LIVE_REPLICAS[(deployment.app_name, deployment.name)] = frozenset(r.replica_id.unique_id for r in replicas)
         # A replica that is gone takes its cache with it (a restarted one comes back with a new id).
         self.policy.prefix_index.forget_except({r.replica_id.unique_id for r in replicas})
 

@@ -1,12 +1,13 @@
 """``Router``: the ingress deployment. OpenAI HTTP API, admission control, deadlines, migration.
 
 A request's path: parse and validate (400 with OpenAI's error body), check the model (404), take an
-admission slot or answer 429 with Retry-After, then open a stream to a replica through the handle
-(the request router picks which). The replica's first message says the request is queued (or why
-not); after that the router relays chunks as SSE or gathers them into one JSON body. The chunks come
-on the stream channel (``serve_app.stream_channel``, ``_ChannelStream``) while the handle call stays
-open to say when the request ended or its replica was lost (or, with ``stream_channel: false``, as the
-call's own items). A replica
+admission slot or answer 429 with Retry-After, then send it to a replica: down that replica's own
+connection to this router when every replica Serve runs is connected (``serve_app.stream_channel``,
+``_LinkStream``; picked by the routing policy over the replicas' reported load and this router's
+requests on each), else through the Serve handle (``_ChannelStream``; Serve's request router picks, and
+the replica then connects). The replica's first message says the request is queued (or why not); after
+that the router relays chunks as SSE or gathers them into one JSON body. The chunks come up the
+connection either way (or, with ``stream_channel: false``, as the Serve call's own items). A replica
 that dies before it answered is retried elsewhere (``max_attempts``); one that dies (or is drained)
 mid-generation costs the client nothing: the router keeps what it relayed of each choice (its token
 ids and text) and continues the request on another replica from there (``max_migrations``), on the
@@ -49,7 +50,9 @@ from serve_app.metrics import RouterMetrics
 from engine.models.source import read_model_source
 from serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
 from serve_app.ingress import reclaim_own_port_at_restart
-from serve_app.stream_channel import StreamInbox
+from serve_app.request_router import LIVE_REPLICAS
+from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_block_hashes
+from serve_app.stream_channel import End, ReplicaLink, StreamInbox, StreamLost
 from serve_app.tools import template_tools
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                TokenizeRequest)
@@ -58,13 +61,19 @@ logger = logging.getLogger("ray.serve")
 
 DEADLINE_GRACE_S = 2.0  # the engine ends a late request itself; the router steps in only after this
 CHANNEL_GRACE_S = 10.0  # a replica's call ended but its last chunks have not come this long after: lost
+INTRODUCE_PERIOD_S = 1.0  # how often a router tells every replica where to connect (serve_app.stream_channel)
+MIN_INTRODUCE_PERIOD_S = 0.2  # ... and at most this often, when a replica it should route to is not connected
 
 
-class StreamLost(ConnectionError):
-    """A replica's call ended but the chunks it sent on the stream channel never came (a connection cut)."""
+class ReplicaDraining(ConnectionError):
+    """A request sent on a replica's connection just as Serve began stopping that replica: it goes elsewhere."""
 
 
-REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError, StreamLost, EngineLost)
+class ReplicaFailed(RuntimeError):
+    """A replica's request failed with an error of the replica's own (a bug): a 500 for the client."""
+
+
+REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError, StreamLost, EngineLost, ReplicaDraining)
 
 api = FastAPI(title="inflight", docs_url="/docs")
 api.add_middleware(Gate)  # header and body bounds, API keys: before any route (serve_app/gate.py)
@@ -174,14 +183,6 @@ class _Progress:
                 "client_timeout": False, "continue_from": continue_from}
 
 
-class _End:
-    """In a stream's queue: its Serve call ended, with an error, a message of its own, or neither."""
-    __slots__ = ("error", "message")
-
-    def __init__(self, error: BaseException | None, message: dict[str, Any] | None) -> None:
-        self.error, self.message = error, message
-
-
 async def _end_of(response) -> dict[str, Any] | None:
     try:
         return await response.__anext__()
@@ -224,7 +225,7 @@ class _ChannelStream:
 
     async def _next(self) -> dict[str, Any]:
         item = await (asyncio.wait_for(self.queue.get(), CHANNEL_GRACE_S) if self.call_ended else self.queue.get())
-        if type(item) is not _End:
+        if type(item) is not End:
             return item
         if item.error is not None:
             raise item.error
@@ -238,10 +239,10 @@ class _ChannelStream:
 
     def _on_end(self, end: asyncio.Future) -> None:
         if end.cancelled():  # by ``cancel``, or by Serve with the request that made the call (its client left)
-            self.queue.put_nowait(_End(asyncio.CancelledError(), None))  # a reader still waiting stops
+            self.queue.put_nowait(End(asyncio.CancelledError(), None))  # a reader still waiting stops
         else:
             error = end.exception()
-            self.queue.put_nowait(_End(error, None if error is not None else end.result()))
+            self.queue.put_nowait(End(error, None if error is not None else end.result()))
         # Nothing is sent after the call ends; what was sent comes within the grace. So the inbox forgets this
         # stream by then even if its reader never comes back (it keeps its queue and what is in it).
         asyncio.get_running_loop().call_later(CHANNEL_GRACE_S, self.inbox.close, self.route)
@@ -256,6 +257,48 @@ class _ChannelStream:
         self.inbox.close(self.route)
 
 
+class _LinkStream:
+    """One attempt's messages when the request itself went down a replica's connection (``ReplicaLink``): no Serve
+    call at all. The connection's loss (closed, or silent) ends it with ``StreamLost`` behind the messages that
+    came; ``cancel`` sends an abort, which leaves the stream in the engine (freeing its KV blocks)."""
+
+    def __init__(self, link: ReplicaLink, inbox: StreamInbox, request: dict[str, Any]) -> None:
+        self.link, self.inbox = link, inbox
+        self.route, self.queue = inbox.open(link)
+        link.generate({**request, "route": {"key": self.route["key"]}})
+        self.finished = False
+
+    def __aiter__(self) -> "_LinkStream":
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            message = await self.queue.get()
+            if type(message) is End:
+                raise message.error
+            if len(message) == 1:  # how the request ended on the replica, when that was not a last message
+                if "lost" in message:
+                    raise EngineLost(message["lost"])
+                if "draining" in message:
+                    raise ReplicaDraining("its replica is being stopped")
+                if "failed" in message:
+                    raise ReplicaFailed(message["failed"])
+        except BaseException:
+            self.inbox.close(self.route)
+            raise
+        if "error" in message or message["finished"]:
+            self.finished = True
+            self.inbox.close(self.route)
+        return message
+
+    def cancel(self) -> None:
+        if not self.finished and self.route["key"] in self.link.keys:  # still running there
+            self.link.abort(self.route["key"])
+        self.inbox.close(self.route)
+
+
 def _lost_reason(error: BaseException) -> str:
     """What a client is told about a lost replica: the kind of failure, not Ray's repr (RPC codes, raw ids)."""
     if isinstance(error, StreamLost):
@@ -264,6 +307,8 @@ def _lost_reason(error: BaseException) -> str:
         return "its replica became unreachable (its process or node went away)"
     if isinstance(error, EngineLost):
         return "its replica's engine died"
+    if isinstance(error, ReplicaDraining):
+        return "its replica was being stopped"
     return "its replica died (its process or node went away)"
 
 
@@ -362,6 +407,18 @@ class Router:
         self.metrics = RouterMetrics()
         self.created = int(time.time())
         self.inbox = StreamInbox(ray.util.get_node_ip_address()) if config.stream_channel else None
+        # Requests sent down replicas' connections are routed here, by the same policies as Serve's calls.
+        self.link_policy = RoutingPolicy(config.routing_policy)
+        self.serve_replicas: set[str] = set()  # the replicas the latest introduction reached (Serve's live set)
+        self._replicas_key = (replicas.app_name, replicas.deployment_name)  # for request_router.LIVE_REPLICAS
+        self._introduce_now = asyncio.Event()
+        self.requests_sent = {"connection": 0, "serve_call": 0}  # how attempts went (/stats)
+        self._introductions: asyncio.Task | None = None
+        try:  # introduce this router to the replicas from the start, so that the first burst finds them connected
+            asyncio.get_running_loop()
+            self._start_introductions()
+        except RuntimeError:  # no event loop here (Serve builds the class in one): from the first request on
+            pass
         # Prefix affinity routes by the engine's own block hashes (engine.block_hash), so the router tokenizes:
         # the replica then takes the token ids as they are. The model's files must be readable here.
         self.tokenizer = (read_model_source(config.model).tokenizer if config.routing_policy == "prefix_affinity"
@@ -403,7 +460,10 @@ class Router:
                            "num_rejected": self.admission.num_rejected,
                            # where replicas send tokens, and how many streams it expects now (0 when idle)
                            "stream_channel": None if self.inbox is None else
-                           {"host": self.inbox.host, "port": self.inbox.port, "open_streams": self.inbox.num_open}}}
+                           {"host": self.inbox.host, "port": self.inbox.port, "open_streams": self.inbox.num_open,
+                            "connected_replicas": sorted(self.inbox.links),
+                            "routable_replicas": sorted(link.replica_id for link in self.inbox.routable_links()),
+                            "requests_sent": dict(self.requests_sent)}}}
 
     @api.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
@@ -592,9 +652,13 @@ class Router:
         """Start the request on some replica; returns (its chunks, an async iterator with ``cancel``; the first)."""
         if self.inbox is not None:
             await self.inbox.start()
+            self._start_introductions()
 
             def stream(request: dict[str, Any]):
-                chunks = _ChannelStream(self.replicas, self.inbox, request)
+                link = self._pick_link(request)
+                self.requests_sent["serve_call" if link is None else "connection"] += 1
+                chunks = (_LinkStream(link, self.inbox, request) if link is not None
+                          else _ChannelStream(self.replicas, self.inbox, request))
                 return chunks, chunks.__anext__()
         else:
             def stream(request: dict[str, Any]):
@@ -602,6 +666,54 @@ class Router:
                 return gen, gen.__anext__()
 
         return await self._first_answer(payload, deadline, stream)
+
+    def _pick_link(self, request: dict[str, Any]) -> ReplicaLink | None:
+        """The connected replica to send ``request`` down, by the routing policy over each one's latest stats and
+        this router's requests on it; None (a Serve call instead) when none is connected, or all are draining or
+        at ``max_requests_per_replica``."""
+        routable = self.inbox.routable_links()
+        live = LIVE_REPLICAS.get(self._replicas_key) or self.serve_replicas
+        if not live or not live <= {link.replica_id for link in routable}:
+            # Serve's replica set not known yet, or a replica in it not connected (new, reconnecting): Serve's call
+            # reaches every replica; and that replica is introduced now rather than at the next round.
+            self._introduce_now.set()
+            return None
+        cap = self.config.max_requests_per_replica
+        links = [link for link in routable if len(link.keys) < cap]
+        if not links:
+            return None
+        if len(links) == 1 and self.link_policy.policy != "prefix_affinity":
+            return links[0]
+        now = time.time()
+        loads = [ReplicaLoad(link.replica_id, len(link.keys), fresh_stats(link.stats, now)) for link in links]
+        hashes = request_block_hashes(self.link_policy, request, [link.stats for link in links])
+        return self.inbox.links[self.link_policy.rank(loads, hashes)[0].replica_id]
+
+    def _start_introductions(self) -> None:
+        if self.inbox is not None and self._introductions is None:
+            self._introductions = asyncio.ensure_future(self._introduce())
+
+    async def _introduce(self) -> None:
+        """Every ``INTRODUCE_PERIOD_S``: tell each replica Serve knows where to connect (a new one, one that lost
+        its connection), note which replicas those are, and drop connections that fell silent."""
+        await self.inbox.start()
+        # A first call makes this process's request router for the replicas, which Serve then keeps told of the
+        # replica set (request_router.LIVE_REPLICAS): current to the moment, unlike the answers below.
+        await self._wait_for_replicas()
+        while True:
+            try:
+                answers = await asyncio.wait_for(self.control.broadcast("connect", self.inbox.address)
+                                                 .results_async(return_exceptions=True), timeout=5.0)
+                self.serve_replicas = {a for a in answers if isinstance(a, str)}  # one that failed is stopping
+            except Exception as e:  # no replica yet: the next round tries again
+                logger.debug("introduction round failed: %r", e)
+            self.inbox.check_silence()
+            await asyncio.sleep(MIN_INTRODUCE_PERIOD_S)
+            self._introduce_now.clear()
+            try:
+                await asyncio.wait_for(self._introduce_now.wait(), INTRODUCE_PERIOD_S - MIN_INTRODUCE_PERIOD_S)
+            except asyncio.TimeoutError:
+                pass
 
     async def _first_answer(self, payload: dict[str, Any], deadline: float, call):
         """Send ``payload`` to a replica and await its first answer; returns (the call's response, that answer).

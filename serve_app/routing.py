@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_hash import block_hashes, salted_root
+from engine.block_hash import block_hashes, request_salt, salted_root
 
 POLICIES = ("least_loaded", "power_of_two", "round_robin", "prefix_affinity")
 MAX_STATS_AGE_S = 1.0
@@ -138,3 +138,13 @@ def prompt_block_hashes(token_ids: Sequence[int] | None, stats: Sequence[dict[st
     if not token_ids or block_size is None:
         return []
     return block_hashes(token_ids, block_size, MAX_HASHED_BLOCKS, salted_root(cache_salt))
+
+
+def request_block_hashes(policy: RoutingPolicy, request: Any, stats: Sequence[dict[str, Any] | None]) -> list[int] | None:
+    """What ``RoutingPolicy.rank`` needs of a replica request (the router's payload) under its policy: the prompt's
+    block hashes for prefix affinity, salted by its cache salt and tenant as the engine salts them; else None."""
+    if policy.policy != "prefix_affinity" or not isinstance(request, dict):
+        return None
+    params = request.get("params", {})
+    return prompt_block_hashes(request.get("prompt_token_ids"), stats,
+                               request_salt(params.get("cache_salt"), params.get("tenant")))

@@ -1,17 +1,25 @@
-"""Tokens from a replica to a router outside Ray's actor calls: one TCP connection per (replica, router).
+"""Requests and tokens between routers and replicas outside Ray's calls: one TCP connection per (replica, router).
 
-Why: every item of a Ray Serve streaming call is a Ray task-return message, and on a small machine each costs
-the replica and the router about a millisecond of CPU between them (Ray's per-message machinery was ~60% of a
-replica's samples and ~40% of a router's at 64 streams), on the cores the engine needs; and the first token
-pays a Ray hop back. So the request still goes through the Serve handle (the request router picks the replica;
-Serve keeps its in-flight count, backpressure and cancellation, and a dead replica still fails the call), but
-that call's own stream carries only the acknowledgement and its end; the chunks travel here, in msgpack frames,
-the chunks of every stream that has one ready in the same turn of the replica's event loop in one write.
+Why: a Ray Serve call costs a request about 3.7 ms of hops and ~2 ms of CPU in the router and the replica
+(Serve's router, gRPC, the replica's request wrapper), and every item of a streaming call is a Ray message of its
+own; on a small machine that is the cores the engine needs (the gap between serving and offline throughput was
+mostly this, `docs/benchmarks.md`, issue 13). So once a replica is connected, the router sends it requests
+(and aborts) down the connection and the replica sends the chunks back up it, in msgpack frames: whatever one
+side has ready in one turn of its event loop goes in one write.
 
-The router listens (``StreamInbox``) on its node's address with a random secret; each request carries a
-``route`` (address, secret, and a key for this attempt). A replica connects on its first stream to that
-router (``StreamOutbox``), says the secret, then sends ``[[key, chunk], ...]`` frames. Frames for a key the
-router no longer expects (a cancelled or superseded attempt) are dropped.
+Serve still owns the replicas: which exist (the router ``broadcast``s its address to every replica Serve knows,
+``LLMReplica.connect``, once a second), their health, their draining and their lifecycle; a request goes through a
+plain Serve call when no connection can take it (none made yet, or every connected replica draining or full), and
+that call's replica then connects. How the router learns a replica is gone: its connection closes (its process
+died: the kernel closes its sockets), it says it is draining (Serve is stopping it; it finishes what it runs), or
+nothing came on it for ``SILENCE_S`` (a node gone without a word); every request it carried then continues
+elsewhere (the router's migration).
+
+The router listens (``StreamInbox``) on its node's address with a random secret. A replica connects
+(``StreamOutbox``), says the secret and its replica id, then sends ``[[key, message], ...]`` frames: key 0 for
+its own news (its stats every ``HEARTBEAT_S``, which are also its load for routing; that it is draining), other
+keys for one request's chunks. The router sends ``[[op, payload], ...]``: ``["generate", request]`` (the request
+names its key) and ``["abort", key]``. Messages for a key the router no longer expects are dropped.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ import itertools
 import logging
 import secrets
 import struct
-from typing import Any
+import time
+from typing import Any, Callable
 
 import msgpack
 
@@ -29,6 +38,9 @@ logger = logging.getLogger("ray.serve")
 
 _LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a frame larger than this is a broken or hostile peer
+NEWS_KEY = 0  # a replica's messages about itself, not about a request
+HEARTBEAT_S = 0.5  # a replica's stats on each connection, this often
+SILENCE_S = 10.0  # a connection nothing came on for this long is lost
 
 
 def pack_frame(obj: Any) -> bytes:
@@ -43,14 +55,87 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
     return msgpack.unpackb(await reader.readexactly(size), raw=False, strict_map_key=False)
 
 
+_READ_ERRORS = (asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError, msgpack.UnpackException)
+
+
+class StreamLost(ConnectionError):
+    """A replica's messages stopped: its connection closed or fell silent, or its call ended without them."""
+
+
+class End:
+    """In a stream's queue after its messages: how it ended (an error, or a last message of the Serve call's own)."""
+    __slots__ = ("error", "message")
+
+    def __init__(self, error: BaseException | None, message: dict[str, Any] | None = None) -> None:
+        self.error, self.message = error, message
+
+
+class _Writer:
+    """Frames out on one connection: what is sent in one turn of the event loop goes in one write."""
+
+    def __init__(self) -> None:
+        self.writer: asyncio.StreamWriter | None = None
+        self.error: BaseException | None = None
+        self.pending: list[list] = []
+
+    def _queue(self, item: list) -> None:
+        if self.error is not None:
+            raise ConnectionError(f"stream channel connection is broken: {self.error!r}")
+        self.pending.append(item)
+        if len(self.pending) == 1 and self.writer is not None:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if not self.pending or self.writer is None:
+            return
+        frame, self.pending = pack_frame(self.pending), []
+        try:
+            self.writer.write(frame)
+        except Exception as e:  # the other end went away
+            self.error = e
+
+    @property
+    def broken(self) -> bool:
+        return self.error is not None or (self.writer is not None and self.writer.is_closing())
+
+
+class ReplicaLink(_Writer):
+    """The router's end of one replica's connection: requests go down it, their chunks and the replica's news
+    come up it."""
+
+    def __init__(self, replica_id: str, writer: asyncio.StreamWriter) -> None:
+        super().__init__()
+        self.replica_id = replica_id
+        self.writer = writer
+        self.keys: set[int] = set()  # requests sent on it and not yet closed: its in-flight count
+        self.stats: dict[str, Any] | None = None  # the replica's latest report
+        self.draining = False
+        self.closed = False
+        self.last_heard = time.monotonic()
+
+    @property
+    def routable(self) -> bool:
+        return not (self.closed or self.draining or self.broken)
+
+    def generate(self, request: dict[str, Any]) -> None:
+        self._queue(["generate", request])
+
+    def abort(self, key: int) -> None:
+        if not self.broken:
+            self._queue(["abort", key])
+
+
 class StreamInbox:
-    """The router's end: a listening socket, and a queue per expected stream (``open``/``close`` by key)."""
+    """The router's end: a listening socket, the replicas connected to it (``links``), and a queue per expected
+    stream (``open``/``close`` by key)."""
 
     def __init__(self, host: str) -> None:
         self.host = host
         self.port: int | None = None
         self.secret = secrets.token_hex(16)
+        self.links: dict[str, ReplicaLink] = {}  # by replica id
         self._queues: dict[int, asyncio.Queue] = {}
+        self._link_of: dict[int, ReplicaLink] = {}
         self._keys = itertools.count(1)
         self._server: asyncio.base_events.Server | None = None
         self._starting: asyncio.Future | None = None
@@ -63,19 +148,45 @@ class StreamInbox:
         self._server = await asyncio.shield(self._starting)
         self.port = self._server.sockets[0].getsockname()[1]
 
-    def open(self) -> tuple[dict[str, Any], asyncio.Queue]:
-        """A new stream: (the route a replica sends it by, the queue its chunks arrive in)."""
+    @property
+    def address(self) -> dict[str, Any]:
+        """Where a replica connects: what ``LLMReplica.connect`` and a Serve call's ``route`` carry."""
+        return {"host": self.host, "port": self.port, "secret": self.secret}
+
+    def open(self, link: ReplicaLink | None = None) -> tuple[dict[str, Any], asyncio.Queue]:
+        """A new stream: (the route a replica sends it by, the queue its chunks arrive in); ``link``: the
+        connection it is sent on, whose loss ends it."""
         key = next(self._keys)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[key] = queue
-        return {"host": self.host, "port": self.port, "secret": self.secret, "key": key}, queue
+        if link is not None:
+            self._link_of[key] = link
+            link.keys.add(key)
+        return {**self.address, "key": key}, queue
 
     def close(self, route: dict[str, Any]) -> None:
-        self._queues.pop(route["key"], None)
+        key = route["key"]
+        self._queues.pop(key, None)
+        link = self._link_of.pop(key, None)
+        if link is not None:
+            link.keys.discard(key)
 
     @property
     def num_open(self) -> int:
         return len(self._queues)
+
+    def routable_links(self) -> list[ReplicaLink]:
+        return [link for link in self.links.values() if link.routable]
+
+    def check_silence(self, now: float | None = None) -> None:
+        """Drop the connections nothing came on for ``SILENCE_S`` (their replica's node is gone without a word)."""
+        now = time.monotonic() if now is None else now
+        for link in list(self.links.values()):
+            if now - link.last_heard > SILENCE_S:
+                logger.warning("stream channel: nothing from replica %s for %.0f s: taken as lost", link.replica_id,
+                               now - link.last_heard)
+                link.writer.close()
+                self._lose(link, "its replica fell silent")
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -83,58 +194,97 @@ class StreamInbox:
         for writer in list(self._connections):
             writer.close()
 
+    def _lose(self, link: ReplicaLink, why: str) -> None:
+        """The link is gone: every request still on it ends with ``StreamLost`` (the router continues it)."""
+        if link.closed:
+            return
+        link.closed = True
+        if self.links.get(link.replica_id) is link:
+            del self.links[link.replica_id]
+        for key in list(link.keys):
+            queue = self._queues.get(key)
+            if queue is not None:
+                queue.put_nowait(End(StreamLost(why)))
+        link.keys.clear()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
+        link: ReplicaLink | None = None
         try:
-            if await read_frame(reader) != self.secret:
+            hello = await read_frame(reader)
+            if not isinstance(hello, dict) or hello.get("secret") != self.secret:
                 logger.warning("stream channel: a connection without the secret was closed")
                 return
+            link = ReplicaLink(str(hello.get("replica_id")), writer)
+            previous = self.links.get(link.replica_id)
+            if previous is not None:  # the replica reconnected: what was on the old connection is lost
+                self._lose(previous, "its replica's connection was replaced")
+            self.links[link.replica_id] = link
             queues = self._queues
             while True:
-                for key, chunk in await read_frame(reader):
+                frame = await read_frame(reader)
+                link.last_heard = time.monotonic()
+                for key, message in frame:
+                    if key == NEWS_KEY:
+                        self._news(link, message)
+                        continue
                     queue = queues.get(key)
                     if queue is not None:
-                        queue.put_nowait(chunk)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError, msgpack.UnpackException):
-            pass  # the replica went away (its streams' handle calls say so) or sent garbage
+                        queue.put_nowait(message)
+        except _READ_ERRORS:
+            pass  # the replica went away, or sent garbage
         finally:
             self._connections.discard(writer)
             writer.close()
+            if link is not None:
+                self._lose(link, "its replica's connection to this router was cut")
+
+    @staticmethod
+    def _news(link: ReplicaLink, news: dict[str, Any]) -> None:
+        if "stats" in news:
+            link.stats = news["stats"]
+        if news.get("draining"):
+            link.draining = True
 
 
-class _Connection:
-    """One replica -> router connection: chunks sent in one turn of the event loop go in one frame."""
+class ReplicaConnection(_Writer):
+    """The replica's end of one connection to a router: chunks go up it (``send``), requests come down it
+    (handed to ``on_frame``)."""
 
-    def __init__(self, host: str, port: int, secret: str) -> None:
-        self.pending: list[list] = []
-        self.writer: asyncio.StreamWriter | None = None
-        self.error: BaseException | None = None
-        self.opened = asyncio.ensure_future(self._open(host, port, secret))
+    def __init__(self, address: dict[str, Any], replica_id: str,
+                 on_frame: Callable[["ReplicaConnection", list], None] | None,
+                 on_close: Callable[["ReplicaConnection"], None] | None) -> None:
+        super().__init__()
+        self.tasks: dict[int, asyncio.Task] = {}  # the requests that came on it, by key (the replica's to fill)
+        self._on_frame, self._on_close = on_frame, on_close
+        self.opened = asyncio.ensure_future(self._open(address["host"], address["port"], address["secret"],
+                                                       replica_id))
 
-    async def _open(self, host: str, port: int, secret: str) -> None:
+    async def _open(self, host: str, port: int, secret: str, replica_id: str) -> None:
         try:
-            _, self.writer = await asyncio.open_connection(host, port)
-            self.writer.write(pack_frame(secret))
+            reader, self.writer = await asyncio.open_connection(host, port)
+            self.writer.write(pack_frame({"secret": secret, "replica_id": replica_id}))
             self._flush()
         except OSError as e:
             self.error = e
             raise
+        self._reading = asyncio.ensure_future(self._read(reader))
 
-    def send(self, key: int, chunk: dict[str, Any]) -> None:
-        if self.error is not None:
-            raise ConnectionError(f"stream channel to the router is broken: {self.error!r}")
-        self.pending.append([key, chunk])
-        if len(self.pending) == 1 and self.writer is not None:
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        if not self.pending or self.writer is None:
-            return
-        frame, self.pending = pack_frame(self.pending), []
+    async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
-            self.writer.write(frame)
-        except Exception as e:  # the router went away
-            self.error = e
+            while True:
+                frame = await read_frame(reader)
+                if self._on_frame is not None:
+                    self._on_frame(self, frame)
+        except _READ_ERRORS as e:
+            self.error = self.error or e
+        finally:
+            self.writer.close()
+            if self._on_close is not None:
+                self._on_close(self)
+
+    def send(self, key: int, message: dict[str, Any]) -> None:
+        self._queue([key, message])
 
     async def drain(self) -> None:
         """Until everything sent so far is handed to the socket (the stream's end may then be reported)."""
@@ -148,26 +298,38 @@ class _Connection:
             self.error = e
             raise ConnectionError(f"stream channel to the router is broken: {e!r}") from None
 
-    @property
-    def broken(self) -> bool:
-        return self.error is not None or (self.writer is not None and self.writer.is_closing())
-
 
 class StreamOutbox:
-    """The replica's end: a connection per router, opened on the first stream to it, replaced when broken."""
+    """The replica's end: a connection per router, opened when the router first introduces itself or sends a
+    request through Serve, replaced when broken."""
 
-    def __init__(self) -> None:
-        self._connections: dict[tuple[str, int, str], _Connection] = {}
+    def __init__(self, replica_id: str = "local",
+                 on_frame: Callable[[ReplicaConnection, list], None] | None = None,
+                 on_close: Callable[[ReplicaConnection], None] | None = None) -> None:
+        self.replica_id = replica_id
+        self._on_frame, self._on_close = on_frame, on_close
+        self._connections: dict[tuple[str, int, str], ReplicaConnection] = {}
 
-    def connection(self, route: dict[str, Any]) -> _Connection:
+    def connection(self, route: dict[str, Any]) -> ReplicaConnection:
         where = (route["host"], route["port"], route["secret"])
         connection = self._connections.get(where)
         if connection is None or connection.broken:
             # routers come and go (redeploys, restarts): forget the connections to those that went
             for gone in [w for w, c in self._connections.items() if c.broken]:
                 del self._connections[gone]
-            connection = self._connections[where] = _Connection(*where)
+            connection = self._connections[where] = ReplicaConnection(
+                {"host": where[0], "port": where[1], "secret": where[2]}, self.replica_id, self._on_frame,
+                self._on_close)
         return connection
+
+    def tell_all(self, news: dict[str, Any]) -> None:
+        """``news`` (stats, draining) to every router connected."""
+        for connection in self._connections.values():
+            if connection.writer is not None and not connection.broken:
+                connection.send(NEWS_KEY, news)
+
+    def connections(self) -> list[ReplicaConnection]:
+        return list(self._connections.values())
 
     def __len__(self) -> int:
         return len(self._connections)

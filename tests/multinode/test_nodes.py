@@ -174,7 +174,8 @@ def test_node_added_back_gets_a_replica(app, cluster):
     assert [status for status, _ in results] == [200] * 16
     after = wait_idle(app, timeout=20, num_replicas=2)
     served = {r["node_id"]: _finished(after)[r["replica_id"]] - before[r["replica_id"]] for r in after["replicas"]}
-    assert served[new_node] >= 1, f"the new node's replica took no traffic: {served}"
+    assert served[new_node] >= 1, (f"the new node's replica took no traffic: {served}; the router's channel: "
+                                   f"{after['router']['stream_channel']}")
     wait_until(lambda: serve_status_running(), timeout=30, what="the app RUNNING again")
 
 

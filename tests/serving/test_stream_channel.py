@@ -116,7 +116,8 @@ class OversizedFrame:
     async def send(inbox: StreamInbox, route: dict) -> bool:
         """With the secret, then a length beyond MAX_FRAME_BYTES: the router hangs up rather than buffer it."""
         reader, writer = await asyncio.open_connection("127.0.0.1", inbox.port)
-        writer.write(pack_frame(inbox.secret) + struct.pack(">I", stream_channel.MAX_FRAME_BYTES + 1))
+        writer.write(pack_frame({"secret": inbox.secret, "replica_id": "r"})
+                     + struct.pack(">I", stream_channel.MAX_FRAME_BYTES + 1))
         await writer.drain()
         return await reader.read() == b""
 
@@ -204,7 +205,7 @@ def test_the_server_streams_through_the_channel_and_a_stranger_cannot_speak_on_i
     assert channel is not None and channel["port"]
     # A stranger connects to the router's channel port and forges chunks for the first keys.
     stranger = socket.create_connection((channel["host"], channel["port"]), timeout=5)
-    stranger.sendall(pack_frame("guess") + pack_frame([[key, _chunk("forged")] for key in range(1, 10_000)]))
+    stranger.sendall(pack_frame({"secret": "guess", "replica_id": "x"}) + pack_frame([[key, _chunk("forged")] for key in range(1, 10_000)]))
     with httpx.Client(timeout=60) as client:
         response, stream = post_stream(client, "/v1/completions", completion_body(max_tokens=24, ignore_eos=True))
     assert response.status_code == 200
@@ -218,3 +219,209 @@ def test_the_server_streams_through_the_channel_and_a_stranger_cannot_speak_on_i
     # Every stream the router opened (this module's and the earlier tests' on this app: disconnects, timeouts,
     # errors) is closed again; any whose reader never came back, at the latest 10 s after its call ended.
     wait_for_stats(lambda s: s["router"]["stream_channel"]["open_streams"] == 0, base_url=server, timeout=15.0)
+
+
+# -- requests down a replica's connection (no Serve call) ----------------------------------------------------------
+class _FakeReplica:
+    """A replica's end as ``LLMReplica`` wires it: requests come down, each answered by ``answer(request)``'s
+    messages (one per turn of the loop, so that an abort can come between them)."""
+
+    def __init__(self, replica_id: str, answer) -> None:
+        self.answer = answer
+        self.aborted: list[int] = []
+        self.outbox = StreamOutbox(replica_id, on_frame=self.on_frame, on_close=self.on_close)
+
+    def on_frame(self, connection, frame) -> None:
+        for op, payload in frame:
+            if op == "generate":
+                key = payload["route"]["key"]
+                connection.tasks[key] = asyncio.ensure_future(self.run(connection, key, payload))
+            elif op == "abort":
+                connection.tasks[payload].cancel()
+
+    def on_close(self, connection) -> None:
+        for task in connection.tasks.values():
+            task.cancel()
+
+    async def run(self, connection, key, request) -> None:
+        try:
+            for message in self.answer(request):
+                connection.send(key, message)
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.aborted.append(key)
+            raise
+
+
+async def _linked(inbox: StreamInbox, replica: _FakeReplica):
+    """The replica connected to the inbox (as ``LLMReplica.connect`` does when the router introduces itself)."""
+    connection = replica.outbox.connection(inbox.address)
+    await connection.drain()
+    for _ in range(100):
+        if replica.outbox.replica_id in inbox.links:
+            return inbox.links[replica.outbox.replica_id], connection
+        await asyncio.sleep(0.01)
+    raise AssertionError("the replica never showed up among the router's links")
+
+
+def test_a_request_sent_down_a_link_streams_back_and_an_abort_stops_it_there():
+    from serve_app.router import _LinkStream
+
+    def answer(request):
+        for i in range(1000):
+            yield _chunk(f"{request['prompt']}{i}")
+
+    async def main():
+        inbox = await _started_inbox()
+        replica = _FakeReplica("r1", answer)
+        link, _ = await _linked(inbox, replica)
+        stream = _LinkStream(link, inbox, {"prompt": "p"})
+        got = [(await asyncio.wait_for(stream.__anext__(), 5))["choices"][0]["text"] for _ in range(3)]
+        in_flight = len(link.keys)
+        stream.cancel()
+        for _ in range(100):
+            if replica.aborted:
+                break
+            await asyncio.sleep(0.01)
+        await inbox.stop()
+        return got, in_flight, replica.aborted, stream.route["key"], len(link.keys)
+
+    got, in_flight, aborted, key, left = asyncio.run(main())
+    assert got == ["p0", "p1", "p2"]
+    assert in_flight == 1 and left == 0  # the link's in-flight count, which routing reads, is back to 0
+    assert aborted == [key]
+
+
+def test_a_link_lost_ends_its_streams_with_stream_lost_and_is_no_longer_routable():
+    from serve_app.router import _LinkStream
+
+    async def main():
+        inbox = await _started_inbox()
+        replica = _FakeReplica("r1", lambda request: iter([_chunk("first")]))  # and then the replica is gone
+        link, connection = await _linked(inbox, replica)
+        stream = _LinkStream(link, inbox, {"prompt": "p"})
+        first = await asyncio.wait_for(stream.__anext__(), 5)
+        connection.writer.close()  # the replica's process dies: the kernel closes its sockets
+        with pytest.raises(stream_channel.StreamLost):
+            await asyncio.wait_for(stream.__anext__(), 5)
+        routable = inbox.routable_links()
+        await inbox.stop()
+        return first, routable, inbox.num_open
+
+    first, routable, num_open = asyncio.run(main())
+    assert first["choices"][0]["text"] == "first"
+    assert routable == [] and num_open == 0
+
+
+def test_a_silent_link_is_lost_and_a_draining_one_takes_no_new_request():
+    from serve_app.router import ReplicaDraining, _LinkStream
+
+    async def main():
+        inbox = await _started_inbox()
+        quiet = _FakeReplica("quiet", lambda request: iter(()))  # takes the request, never answers
+        draining = _FakeReplica("draining", lambda request: iter([{"draining": True}]))
+        quiet_link, _ = await _linked(inbox, quiet)
+        draining_link, draining_connection = await _linked(inbox, draining)
+        draining_connection.send(stream_channel.NEWS_KEY, {"stats": {"num_running": 3, "time": 1.0}})
+        await draining_connection.drain()
+        stream = _LinkStream(quiet_link, inbox, {"prompt": "p"})
+        refused = _LinkStream(draining_link, inbox, {"prompt": "p"})  # sent before the news came
+        with pytest.raises(ReplicaDraining):
+            await asyncio.wait_for(refused.__anext__(), 5)
+        stats = draining_link.stats
+        draining_connection.send(stream_channel.NEWS_KEY, {"draining": True})
+        await draining_connection.drain()
+        await asyncio.sleep(0.1)
+        routable = sorted(link.replica_id for link in inbox.routable_links())
+        inbox.check_silence(now=quiet_link.last_heard + stream_channel.SILENCE_S - 1)  # not yet
+        still = sorted(inbox.links)
+        inbox.check_silence(now=quiet_link.last_heard + stream_channel.SILENCE_S + 1)
+        with pytest.raises(stream_channel.StreamLost):
+            await asyncio.wait_for(stream.__anext__(), 5)
+        await inbox.stop()
+        return stats, routable, still, sorted(inbox.links)
+
+    stats, routable, still, left = asyncio.run(main())
+    assert stats == {"num_running": 3, "time": 1.0}
+    assert routable == ["quiet"]  # connected still (its requests finish), but nothing new goes to it
+    assert still == ["draining", "quiet"]
+    assert "quiet" not in left
+
+
+def test_once_its_replica_is_connected_a_request_goes_down_the_connection_not_through_serve(server):
+    """The router introduces itself to the replica; from then on requests skip Serve's call (``requests_sent``), and
+    a client that leaves mid-stream still frees the request in the engine (the abort goes down the connection)."""
+    replica_id = get_stats(server)["replicas"][0]["replica_id"]
+    channel = wait_for_stats(lambda s: replica_id in s["router"]["stream_channel"]["routable_replicas"],
+                             base_url=server, timeout=15.0, what="the replica connected")["router"]["stream_channel"]
+    before = channel["requests_sent"]
+    with httpx.Client(timeout=60) as client:
+        for i in range(4):
+            response, stream = post_stream(client, "/v1/completions", completion_body(f"down {i}", max_tokens=4))
+            assert response.status_code == 200 and stream.done
+        with client.stream("POST", f"{server}/v1/completions",
+                           json=completion_body("leaves", max_tokens=2000, ignore_eos=True, stream=True)) as left:
+            next(left.iter_lines())  # one event, then the client is gone
+    after = wait_for_stats(lambda s: s["replicas"][0]["num_running"] == 0, base_url=server, timeout=15.0,
+                           what="the abandoned request aborted")["router"]["stream_channel"]["requests_sent"]
+    assert after["connection"] - before["connection"] == 5
+    assert after["serve_call"] == before["serve_call"]
+
+
+def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drains_before_it_stops():
+    """``LLMReplica`` in this process (demo-tiny, no Serve) connected to a router's inbox: a request sent down the
+    connection streams back whole; an abort frees its batch slot; when Serve stops the replica (``__del__``) the
+    router hears it is draining, a request sent anyway is refused as such (the router sends it elsewhere), and the
+    stop waits until the request already running has finished."""
+    from serve_app.replica import LLMReplica
+    from serve_app.router import ReplicaDraining, _LinkStream
+
+    def request(request_id: str, max_tokens: int) -> dict:
+        return {"kind": "completion", "request_id": request_id, "prompt": "Hello", "priority": 0,
+                "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+
+    async def read_all(stream) -> list[dict]:
+        return [message async for message in stream]
+
+    async def main():
+        replica = LLMReplica("demo-tiny", {"max_model_len": 256, "num_threads": 1})
+        inbox = await _started_inbox()
+        try:
+            assert await replica.connect(inbox.address) == replica.replica_id
+            for _ in range(100):
+                if inbox.routable_links():
+                    break
+                await asyncio.sleep(0.01)
+            link = inbox.links[replica.replica_id]
+            whole = await read_all(_LinkStream(link, inbox, request("whole", 12)))
+
+            aborted = _LinkStream(link, inbox, request("aborted", 200))
+            await asyncio.wait_for(aborted.__anext__(), 10)
+            aborted.cancel()
+            for _ in range(200):
+                if replica.engine.stats()["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            running_after_abort = replica.engine.stats()["num_running"]
+
+            running = asyncio.ensure_future(read_all(_LinkStream(link, inbox, request("running", 40))))
+            await asyncio.sleep(0.05)
+            stopping = asyncio.ensure_future(replica.__del__())
+            await asyncio.sleep(0.05)
+            routable_while_draining = inbox.routable_links()
+            with pytest.raises(ReplicaDraining):
+                await asyncio.wait_for(_LinkStream(link, inbox, request("late", 4)).__anext__(), 10)
+            stopped_before_it_finished = stopping.done()
+            finished = await asyncio.wait_for(running, 30)
+            await asyncio.wait_for(stopping, 10)
+            return whole, running_after_abort, routable_while_draining, stopped_before_it_finished, finished
+        finally:
+            await inbox.stop()
+            await replica.engine.shutdown()
+
+    whole, running_after_abort, routable, stopped_early, finished = asyncio.run(main())
+    assert whole[0]["started"] and whole[-1]["finished"]
+    assert sum(len(m["choices"][0]["token_ids"]) for m in whole) == 12
+    assert running_after_abort == 0
+    assert routable == [] and not stopped_early
+    assert finished[-1]["finished"] and sum(len(m["choices"][0]["token_ids"]) for m in finished) == 40
