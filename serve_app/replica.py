@@ -37,7 +37,7 @@ from serve_app.errors import (APIError, BadRequestError, EngineLost, OverloadedE
                               ServiceUnavailableError, param_of_value_error)
 from serve_app.metrics import ReplicaMetrics
 from serve_app.responses import pack_embedding
-from serve_app.stream_channel import HEARTBEAT_S, ReplicaConnection, StreamOutbox
+from serve_app.stream_channel import HEARTBEAT_S, NEWS_KEY, ReplicaConnection, StreamOutbox
 
 logger = logging.getLogger("ray.serve")
 
@@ -82,7 +82,7 @@ class LLMReplica:
                 async for message in messages:
                     yield message
                 return
-            channel, key = self.outbox.connection(route), route["key"]
+            channel, key = self._connection(route), route["key"]
             try:
                 async for message in messages:
                     channel.send(key, message)
@@ -101,9 +101,18 @@ class LLMReplica:
         it is draining: it takes nothing new)."""
         if self.draining:
             return None
-        self.outbox.connection(address)
-        self._ensure_stats_task()
+        self._connection(address)
         return self.replica_id
+
+    def _connection(self, route: dict[str, Any]) -> ReplicaConnection:
+        """The connection to a router, opened if need be; a new one first says this replica's load, so that the
+        router ranks it with the others from the start rather than half a second later."""
+        connection = self.outbox.connection(route)
+        if not connection.told_stats:
+            connection.told_stats = True
+            connection.send(NEWS_KEY, {"stats": self.stats()})
+        self._ensure_stats_task()
+        return connection
 
     def _on_channel_frame(self, connection: ReplicaConnection, frame: list) -> None:
         for op, payload in frame:
@@ -312,6 +321,7 @@ class LLMReplica:
                 "block_size": stats["block_size"],  # for the router's prefix affinity (engine.block_hash)
                 "num_preemptions": stats["num_preemptions"], "num_finished_requests": stats["num_finished_requests"],
                 "num_generated_tokens": stats["num_generated_tokens"],
+                "router_connections": sum(not c.broken for c in self.outbox.connections()),  # serve_app.stream_channel
                 **{k: v for k, v in stats.items() if k.startswith("spec_")}, "time": time.time()}
 
     async def record_routing_stats(self) -> dict[str, Any]:

@@ -461,6 +461,7 @@ class Router:
                            # where replicas send tokens, and how many streams it expects now (0 when idle)
                            "stream_channel": None if self.inbox is None else
                            {"host": self.inbox.host, "port": self.inbox.port, "open_streams": self.inbox.num_open,
+                            "serve_replicas": sorted(LIVE_REPLICAS.get(self._replicas_key) or self.serve_replicas),
                             "connected_replicas": sorted(self.inbox.links),
                             "routable_replicas": sorted(link.replica_id for link in self.inbox.routable_links()),
                             "requests_sent": dict(self.requests_sent)}}}
@@ -697,10 +698,15 @@ class Router:
         """Every ``INTRODUCE_PERIOD_S``: tell each replica Serve knows where to connect (a new one, one that lost
         its connection), note which replicas those are, and drop connections that fell silent."""
         await self.inbox.start()
-        # A first call makes this process's request router for the replicas, which Serve then keeps told of the
-        # replica set (request_router.LIVE_REPLICAS): current to the moment, unlike the answers below.
-        await self._wait_for_replicas()
         while True:
+            if self._replicas_key not in LIVE_REPLICAS:
+                # A call through the handle makes this process's request router for the replicas, which Serve then
+                # keeps told of the replica set (request_router.LIVE_REPLICAS): current to the moment, unlike the
+                # answers below. (A broadcast alone does not make one.)
+                try:
+                    await asyncio.wait_for(self.control.ping.remote(), timeout=2.0)
+                except Exception as e:  # replicas still starting: the next round asks again
+                    logger.debug("no replica answered a ping: %r", e)
             try:
                 answers = await asyncio.wait_for(self.control.broadcast("connect", self.inbox.address)
                                                  .results_async(return_exceptions=True), timeout=5.0)

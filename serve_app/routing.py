@@ -28,11 +28,12 @@ class ReplicaLoad:
     replica_id: str
     in_flight: int  # sent by this router, not finished: exact and current
     stats: dict[str, Any] | None  # the replica's latest report, None if missing or stale
+    slots_if_unknown: int = 1  # batch slots assumed without a report: its peers' (``RoutingPolicy.rank`` sets it)
 
     def score(self) -> float:
         """Lower is better: queue pressure per batch slot, plus the share of KV memory in use."""
         if not self.stats:
-            return float(self.in_flight)
+            return self.in_flight / self.slots_if_unknown
         slots = max(1, self.stats.get("max_num_seqs", 1))
         queued = max(self.in_flight, self.stats.get("num_running", 0) + self.stats.get("num_waiting", 0))
         total = max(1, self.stats.get("kv_blocks_total", 1))
@@ -63,6 +64,12 @@ class RoutingPolicy:
         for prefix affinity."""
         if not loads:
             return []
+        # A replica without a fresh report (just started) is scored on the same scale as its peers: in flight per
+        # batch slot, as many slots as theirs. Scored per request instead, it would look several times as loaded
+        # as a reporting replica with the same requests, and a burst would skip it.
+        slots = max((load.stats.get("max_num_seqs", 1) for load in loads if load.stats), default=1)
+        for load in loads:
+            load.slots_if_unknown = max(1, slots)
         by_load = sorted(loads, key=lambda r: (r.score(), self._rng.random()))
         if self.policy == "least_loaded":
             return by_load

@@ -256,6 +256,7 @@ class ReplicaConnection(_Writer):
                  on_close: Callable[["ReplicaConnection"], None] | None) -> None:
         super().__init__()
         self.tasks: dict[int, asyncio.Task] = {}  # the requests that came on it, by key (the replica's to fill)
+        self.told_stats = False  # whether the replica has sent its stats on it yet (the replica's to set)
         self._on_frame, self._on_close = on_frame, on_close
         self.opened = asyncio.ensure_future(self._open(address["host"], address["port"], address["secret"],
                                                        replica_id))

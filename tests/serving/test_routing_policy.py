@@ -230,3 +230,15 @@ def test_drain_rate_estimate_grows_with_queue():
 def test_admission_rejects_bad_bound():
     with pytest.raises(ValueError):
         AdmissionController(0)
+
+
+def test_a_replica_without_a_report_yet_takes_its_share_of_a_burst():
+    """A replica that just started has not reported yet: it is scored per batch slot like its peers (their slot
+    count), not per request, or a burst would give it a quarter of what a reporting idle replica gets."""
+    policy = RoutingPolicy("least_loaded", seed=0)
+    in_flight = Counter()
+    for _ in range(16):
+        loads = [ReplicaLoad("reported", in_flight["reported"], fresh_stats(stats(max_num_seqs=4))),
+                 ReplicaLoad("new", in_flight["new"], None)]
+        in_flight[first(policy, loads)] += 1
+    assert in_flight == {"reported": 8, "new": 8}

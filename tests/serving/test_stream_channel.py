@@ -16,7 +16,7 @@ import pytest
 
 from serve_app import stream_channel
 from serve_app.stream_channel import StreamInbox, StreamOutbox, pack_frame
-from tests.serving.helpers import completion_body, get_stats, post_stream, wait_for_stats
+from tests.serving.helpers import completion_body, get_stats, parse_sse, post_stream, wait_for_stats
 
 pytestmark = pytest.mark.timeout(60, func_only=True)
 
@@ -354,6 +354,7 @@ def test_once_its_replica_is_connected_a_request_goes_down_the_connection_not_th
     replica_id = get_stats(server)["replicas"][0]["replica_id"]
     channel = wait_for_stats(lambda s: replica_id in s["router"]["stream_channel"]["routable_replicas"],
                              base_url=server, timeout=15.0, what="the replica connected")["router"]["stream_channel"]
+    assert channel["serve_replicas"] == channel["connected_replicas"] == [replica_id]
     before = channel["requests_sent"]
     with httpx.Client(timeout=60) as client:
         for i in range(4):
@@ -425,3 +426,33 @@ def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drai
     assert running_after_abort == 0
     assert routable == [] and not stopped_early
     assert finished[-1]["finished"] and sum(len(m["choices"][0]["token_ids"]) for m in finished) == 40
+
+
+@pytest.mark.timeout(180, func_only=True)
+def test_two_routers_each_send_requests_down_a_connection_of_their_own(ray_cluster):
+    """``router_replicas: 2`` (Serve's proxy spreads clients over them): the replica keeps a connection to each, and
+    concurrent streams through both routers all come back whole."""
+    from tests.serving.apps import delete_app, deploy_app
+
+    args = {"model": "demo-tiny", "engine_args": {"max_model_len": 512, "max_num_seqs": 8, "num_threads": 1},
+            "num_cpus_per_replica": 0.5, "router_replicas": 2, "default_timeout_s": 60}
+    base = deploy_app(args, name="two-routers", route_prefix="/two-routers")
+    try:
+        wait_for_stats(lambda s: s["replicas"][0]["router_connections"] == 2, base_url=base, timeout=30.0,
+                       what="the replica connected to both routers")
+
+        async def run() -> list:
+            async with httpx.AsyncClient(timeout=60.0) as client:
+                async def one(i: int):
+                    body = completion_body(f"two routers {i}", max_tokens=16, ignore_eos=True, stream=True,
+                                           stream_options={"include_usage": True})
+                    async with client.stream("POST", base + "/v1/completions", json=body) as response:
+                        return response.status_code, (await response.aread()).decode()
+                return await asyncio.gather(*(one(i) for i in range(12)))
+
+        for status, raw in asyncio.run(run()):
+            assert status == 200, raw
+            stream = parse_sse(raw)
+            assert stream.done and not stream.errors and stream.usage["completion_tokens"] == 16
+    finally:
+        delete_app("two-routers")
