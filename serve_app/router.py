@@ -680,7 +680,8 @@ class Router:
             self._introduce_now.set()
             return None
         cap = self.config.max_requests_per_replica
-        links = [link for link in routable if len(link.keys) < cap]
+        # Only replicas Serve still routes to: one it has begun to stop is told to drain a moment later.
+        links = [link for link in routable if link.replica_id in live and len(link.keys) < cap]
         if not links:
             return None
         if len(links) == 1 and self.link_policy.policy != "prefix_affinity":

@@ -43,8 +43,15 @@ HEARTBEAT_S = 0.5  # a replica's stats on each connection, this often
 SILENCE_S = 10.0  # a connection nothing came on for this long is lost
 
 
+def _plain(obj: Any) -> Any:
+    """What msgpack cannot pack by itself: numpy's scalars (a stat or a logprob may be one) as Python numbers."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"cannot send a {type(obj).__name__} on the stream channel")
+
+
 def pack_frame(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+    body = msgpack.packb(obj, use_bin_type=True, default=_plain)
     return _LENGTH.pack(len(body)) + body
 
 
@@ -88,9 +95,14 @@ class _Writer:
     def _flush(self) -> None:
         if not self.pending or self.writer is None:
             return
-        frame, self.pending = pack_frame(self.pending), []
+        pending, self.pending = self.pending, []
         try:
-            self.writer.write(frame)
+            self.writer.write(pack_frame(pending))
+        except TypeError as e:  # a message that cannot be sent (a bug): the connection goes, and the other end
+            # hears it at once (a lost replica's requests continue elsewhere) rather than waiting for words never sent
+            logger.exception("stream channel: a message could not be packed; closing the connection")
+            self.error = e
+            self.writer.close()
         except Exception as e:  # the other end went away
             self.error = e
 

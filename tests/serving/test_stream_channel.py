@@ -456,3 +456,29 @@ def test_two_routers_each_send_requests_down_a_connection_of_their_own(ray_clust
             assert stream.done and not stream.errors and stream.usage["completion_tokens"] == 16
     finally:
         delete_app("two-routers")
+
+
+def test_a_message_that_cannot_be_packed_closes_the_connection_and_numpy_numbers_go_as_numbers():
+    """A numpy scalar (a stat, a logprob) is sent as the number it is; anything else msgpack cannot pack is a bug,
+    and the connection is closed at once, so the router treats its requests as lost (and continues them) rather
+    than waiting for messages that will never come."""
+    import numpy as np
+    from serve_app.router import _LinkStream
+
+    answers = iter([[_chunk("n") | {"score": np.float32(0.5)}], [object()]])
+
+    async def main():
+        inbox = await _started_inbox()
+        replica = _FakeReplica("r1", lambda request: next(answers))
+        link, _ = await _linked(inbox, replica)
+        fine = _LinkStream(link, inbox, {"prompt": "a"})
+        got = await asyncio.wait_for(fine.__anext__(), 5)
+        broken = _LinkStream(link, inbox, {"prompt": "b"})
+        with pytest.raises(stream_channel.StreamLost):
+            await asyncio.wait_for(broken.__anext__(), 5)
+        await inbox.stop()
+        return got, inbox.routable_links()
+
+    got, routable = asyncio.run(main())
+    assert got["score"] == 0.5 and type(got["score"]) is float
+    assert routable == []
