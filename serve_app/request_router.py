@@ -14,6 +14,7 @@ count moves; ``on_request_completed`` releases it by request id.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections import defaultdict
 from typing import Any, Optional
@@ -25,7 +26,26 @@ from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_b
 # Each deployment's live replica ids, (app, deployment) -> ids, as this process's request routers last heard from
 # Serve's controller: the router deployment sends requests down replicas' own connections only while those cover
 # this set (serve_app.stream_channel), so a new replica is reached through Serve until it is connected.
-LIVE_REPLICAS: dict[tuple[str, str], frozenset[str]] = {}
+_LIVE_REPLICAS: dict[tuple[str, str], frozenset[str]] = {}
+
+
+def live_replicas(app: str, deployment: str) -> frozenset[str] | None:
+    """The deployment's replicas Serve routes to now, or None before this process has a request router for it.
+
+    Both sides reach the dict through this module as imported in the process (``importlib``), never through the
+    names their classes' code was written with: Serve ships the router deployment's class and this request
+    router's class with cloudpickle, which may copy a module-level dict their code names (each class would then
+    hold a copy of its own, never shared)."""
+    return _LIVE_REPLICAS.get((app, deployment))
+
+
+def remember_live_replicas(app: str, deployment: str, replica_ids: frozenset[str]) -> None:
+    _LIVE_REPLICAS[(app, deployment)] = replica_ids
+
+
+def this_module():
+    """This module as this process imported it (see ``live_replicas``)."""
+    return importlib.import_module(__name__)
 
 
 class LLMRequestRouter(FIFOMixin, RequestRouter):
@@ -51,7 +71,8 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         deployment = self._deployment_id
-        LIVE_REPLICAS[(deployment.app_name, deployment.name)] = frozenset(r.replica_id.unique_id for r in replicas)
+        this_module().remember_live_replicas(deployment.app_name, deployment.name,
+                                             frozenset(r.replica_id.unique_id for r in replicas))
         # A replica that is gone takes its cache with it (a restarted one comes back with a new id).
         self.policy.prefix_index.forget_except({r.replica_id.unique_id for r in replicas})
 

@@ -50,7 +50,7 @@ from serve_app.metrics import RouterMetrics
 from engine.models.source import read_model_source
 from serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
 from serve_app.ingress import reclaim_own_port_at_restart
-from serve_app.request_router import LIVE_REPLICAS
+from serve_app import request_router
 from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_block_hashes
 from serve_app.stream_channel import End, ReplicaLink, StreamInbox, StreamLost
 from serve_app.tools import template_tools
@@ -190,7 +190,35 @@ async def _end_of(response) -> dict[str, Any] | None:
         return None
 
 
-class _ChannelStream:
+class _InboxStream:
+    """One attempt's messages as they arrive in the router's inbox (``serve_app.stream_channel``): the stream ends
+    with the message that says the request finished or was refused, or with the error that ends ``_next``."""
+
+    inbox: StreamInbox
+    route: dict[str, Any]
+    finished: bool
+
+    def __aiter__(self) -> "_InboxStream":
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            message = await self._next()
+        except BaseException:
+            self.inbox.close(self.route)
+            raise
+        if "error" in message or message["finished"]:
+            self.finished = True
+            self.inbox.close(self.route)
+        return message
+
+    async def _next(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _ChannelStream(_InboxStream):
     """One attempt's messages when they come on the stream channel (``serve_app.stream_channel``).
 
     The Serve call is made as without the channel, with the route added; it yields nothing, and ends when
@@ -206,22 +234,6 @@ class _ChannelStream:
         self.end.add_done_callback(self._on_end)
         self.call_ended = False
         self.finished = False
-
-    def __aiter__(self) -> "_ChannelStream":
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            message = await self._next()
-        except BaseException:
-            self.inbox.close(self.route)
-            raise
-        if "error" in message or message["finished"]:
-            self.finished = True
-            self.inbox.close(self.route)
-        return message
 
     async def _next(self) -> dict[str, Any]:
         item = await (asyncio.wait_for(self.queue.get(), CHANNEL_GRACE_S) if self.call_ended else self.queue.get())
@@ -257,7 +269,7 @@ class _ChannelStream:
         self.inbox.close(self.route)
 
 
-class _LinkStream:
+class _LinkStream(_InboxStream):
     """One attempt's messages when the request itself went down a replica's connection (``ReplicaLink``): no Serve
     call at all. The connection's loss (closed, or silent) ends it with ``StreamLost`` behind the messages that
     came; ``cancel`` sends an abort, which leaves the stream in the engine (freeing its KV blocks)."""
@@ -268,29 +280,17 @@ class _LinkStream:
         link.generate({**request, "route": {"key": self.route["key"]}})
         self.finished = False
 
-    def __aiter__(self) -> "_LinkStream":
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            message = await self.queue.get()
-            if type(message) is End:
-                raise message.error
-            if len(message) == 1:  # how the request ended on the replica, when that was not a last message
-                if "lost" in message:
-                    raise EngineLost(message["lost"])
-                if "draining" in message:
-                    raise ReplicaDraining("its replica is being stopped")
-                if "failed" in message:
-                    raise ReplicaFailed(message["failed"])
-        except BaseException:
-            self.inbox.close(self.route)
-            raise
-        if "error" in message or message["finished"]:
-            self.finished = True
-            self.inbox.close(self.route)
+    async def _next(self) -> dict[str, Any]:
+        message = await self.queue.get()
+        if type(message) is End:
+            raise message.error
+        if len(message) == 1:  # how the request ended on the replica, when that was not a last message
+            if "lost" in message:
+                raise EngineLost(message["lost"])
+            if "draining" in message:
+                raise ReplicaDraining("its replica is being stopped")
+            if "failed" in message:
+                raise ReplicaFailed(message["failed"])
         return message
 
     def cancel(self) -> None:
@@ -409,8 +409,8 @@ class Router:
         self.inbox = StreamInbox(ray.util.get_node_ip_address()) if config.stream_channel else None
         # Requests sent down replicas' connections are routed here, by the same policies as Serve's calls.
         self.link_policy = RoutingPolicy(config.routing_policy)
-        self.serve_replicas: set[str] = set()  # the replicas the latest introduction reached (Serve's live set)
-        self._replicas_key = (replicas.app_name, replicas.deployment_name)  # for request_router.LIVE_REPLICAS
+        self._replicas_key = (replicas.app_name, replicas.deployment_name)  # for request_router.live_replicas
+        self._live_replicas = request_router.this_module().live_replicas
         self._introduce_now = asyncio.Event()
         self.requests_sent = {"connection": 0, "serve_call": 0}  # how attempts went (/stats)
         self._introductions: asyncio.Task | None = None
@@ -461,7 +461,7 @@ class Router:
                            # where replicas send tokens, and how many streams it expects now (0 when idle)
                            "stream_channel": None if self.inbox is None else
                            {"host": self.inbox.host, "port": self.inbox.port, "open_streams": self.inbox.num_open,
-                            "serve_replicas": sorted(LIVE_REPLICAS.get(self._replicas_key) or self.serve_replicas),
+                            "serve_replicas": sorted(self._live_replicas(*self._replicas_key) or ()),
                             "connected_replicas": sorted(self.inbox.links),
                             "routable_replicas": sorted(link.replica_id for link in self.inbox.routable_links()),
                             "requests_sent": dict(self.requests_sent)}}}
@@ -673,10 +673,11 @@ class Router:
         this router's requests on it; None (a Serve call instead) when none is connected, or all are draining or
         at ``max_requests_per_replica``."""
         routable = self.inbox.routable_links()
-        live = LIVE_REPLICAS.get(self._replicas_key) or self.serve_replicas
+        live = self._live_replicas(*self._replicas_key)
         if not live or not live <= {link.replica_id for link in routable}:
-            # Serve's replica set not known yet, or a replica in it not connected (new, reconnecting): Serve's call
-            # reaches every replica; and that replica is introduced now rather than at the next round.
+            # Serve's replica set not known here yet (the first call makes the request router that learns it), or a
+            # replica in it not connected (new, reconnecting): Serve's call reaches every replica; and that replica
+            # is introduced now rather than at the next round.
             self._introduce_now.set()
             return None
         cap = self.config.max_requests_per_replica
@@ -697,21 +698,19 @@ class Router:
 
     async def _introduce(self) -> None:
         """Every ``INTRODUCE_PERIOD_S``: tell each replica Serve knows where to connect (a new one, one that lost
-        its connection), note which replicas those are, and drop connections that fell silent."""
+        its connection), and drop connections that fell silent."""
         await self.inbox.start()
         while True:
-            if self._replicas_key not in LIVE_REPLICAS:
+            if self._live_replicas(*self._replicas_key) is None:
                 # A call through the handle makes this process's request router for the replicas, which Serve then
-                # keeps told of the replica set (request_router.LIVE_REPLICAS): current to the moment, unlike the
-                # answers below. (A broadcast alone does not make one.)
+                # keeps told of the replica set (request_router.live_replicas). (A broadcast alone does not.)
                 try:
                     await asyncio.wait_for(self.control.ping.remote(), timeout=2.0)
                 except Exception as e:  # replicas still starting: the next round asks again
                     logger.debug("no replica answered a ping: %r", e)
             try:
-                answers = await asyncio.wait_for(self.control.broadcast("connect", self.inbox.address)
-                                                 .results_async(return_exceptions=True), timeout=5.0)
-                self.serve_replicas = {a for a in answers if isinstance(a, str)}  # one that failed is stopping
+                await asyncio.wait_for(self.control.broadcast("connect", self.inbox.address)
+                                       .results_async(return_exceptions=True), timeout=5.0)
             except Exception as e:  # no replica yet: the next round tries again
                 logger.debug("introduction round failed: %r", e)
             self.inbox.check_silence()

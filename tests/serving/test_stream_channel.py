@@ -354,7 +354,7 @@ def test_once_its_replica_is_connected_a_request_goes_down_the_connection_not_th
     replica_id = get_stats(server)["replicas"][0]["replica_id"]
     channel = wait_for_stats(lambda s: replica_id in s["router"]["stream_channel"]["routable_replicas"],
                              base_url=server, timeout=15.0, what="the replica connected")["router"]["stream_channel"]
-    assert channel["serve_replicas"] == channel["connected_replicas"] == [replica_id]
+    assert channel["serve_replicas"] == channel["connected_replicas"] == [replica_id], str(channel)
     before = channel["requests_sent"]
     with httpx.Client(timeout=60) as client:
         for i in range(4):
@@ -405,15 +405,16 @@ def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drai
                 await asyncio.sleep(0.01)
             running_after_abort = replica.engine.stats()["num_running"]
 
-            running = asyncio.ensure_future(read_all(_LinkStream(link, inbox, request("running", 40))))
-            await asyncio.sleep(0.05)
+            running_stream = _LinkStream(link, inbox, request("running", 200))
+            first = await asyncio.wait_for(running_stream.__anext__(), 10)  # it runs: now Serve stops the replica
+            running = asyncio.ensure_future(read_all(running_stream))
             stopping = asyncio.ensure_future(replica.__del__())
             await asyncio.sleep(0.05)
             routable_while_draining = inbox.routable_links()
             with pytest.raises(ReplicaDraining):
                 await asyncio.wait_for(_LinkStream(link, inbox, request("late", 4)).__anext__(), 10)
             stopped_before_it_finished = stopping.done()
-            finished = await asyncio.wait_for(running, 30)
+            finished = [first] + await asyncio.wait_for(running, 60)
             await asyncio.wait_for(stopping, 10)
             return whole, running_after_abort, routable_while_draining, stopped_before_it_finished, finished
         finally:
@@ -425,7 +426,7 @@ def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drai
     assert sum(len(m["choices"][0]["token_ids"]) for m in whole) == 12
     assert running_after_abort == 0
     assert routable == [] and not stopped_early
-    assert finished[-1]["finished"] and sum(len(m["choices"][0]["token_ids"]) for m in finished) == 40
+    assert finished[-1]["finished"] and sum(len(m["choices"][0]["token_ids"]) for m in finished) == 200
 
 
 @pytest.mark.timeout(180, func_only=True)
