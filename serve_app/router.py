@@ -238,6 +238,8 @@ class _ChannelStream(_InboxStream):
     async def _next(self) -> dict[str, Any]:
         item = await (asyncio.wait_for(self.queue.get(), CHANNEL_GRACE_S) if self.call_ended else self.queue.get())
         if type(item) is not End:
+            if "replica_id" in item:  # the first message: which replica Serve picked
+                self.inbox.attach(self.route, item["replica_id"])
             return item
         if item.error is not None:
             raise item.error

@@ -176,6 +176,16 @@ class StreamInbox:
             link.keys.add(key)
         return {**self.address, "key": key}, queue
 
+    def attach(self, route: dict[str, Any], replica_id: str) -> None:
+        """A stream opened for a Serve call, now that its replica is known (its first message says): counted on
+        that replica's link like the requests sent down it (routing sees every request a replica holds), and
+        ended with the link if the link is lost."""
+        key = route["key"]
+        link = self.links.get(replica_id)
+        if link is not None and not link.closed and key in self._queues and key not in self._link_of:
+            self._link_of[key] = link
+            link.keys.add(key)
+
     def close(self, route: dict[str, Any]) -> None:
         key = route["key"]
         self._queues.pop(key, None)

@@ -483,3 +483,26 @@ def test_a_message_that_cannot_be_packed_closes_the_connection_and_numpy_numbers
     got, routable = asyncio.run(main())
     assert got["score"] == 0.5 and type(got["score"]) is float
     assert routable == []
+
+
+def test_a_serve_call_stream_counts_on_its_replicas_link_once_its_first_message_names_the_replica():
+    """A request that went as a Serve call (no connection covered every replica yet) is counted on its replica's
+    link from its first message on, so routing down connections sees everything that replica holds."""
+    from serve_app.router import _ChannelStream
+
+    async def main():
+        inbox = await _started_inbox()
+        replica = _FakeReplica("r1", lambda request: iter(()))
+        link, connection = await _linked(inbox, replica)
+        replicas = _Replicas()
+        stream = _ChannelStream(replicas, inbox, {"prompt": [1]})
+        before = len(link.keys)
+        connection.send(stream.route["key"], {**_chunk("first"), "started": True, "replica_id": "r1"})
+        await asyncio.wait_for(stream.__anext__(), 5)
+        counted = len(link.keys)
+        connection.send(stream.route["key"], _chunk("last", finished=True))
+        await asyncio.wait_for(stream.__anext__(), 5)
+        await inbox.stop()
+        return before, counted, len(link.keys)
+
+    assert asyncio.run(main()) == (0, 1, 0)
