@@ -55,7 +55,8 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
                                       "served_model_name": config.model_name,
                                       "max_queued_requests": config.max_queued_requests_per_replica,
                                       "max_messages_per_s": config.max_messages_per_s,
-                                      "engine_process": config.engine_process, "engine_cpus": config.engine_cpus}
+                                      "engine_process": config.engine_process, "engine_cpus": config.engine_cpus,
+                                      "stats_period_s": config.routing_stats_period_s}
     if engine_cls is not None:
         replica_kwargs["engine_cls"] = engine_cls
     replicas = serve.deployment(LLMReplica).options(**replica_options).bind(**replica_kwargs)

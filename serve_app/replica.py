@@ -37,11 +37,10 @@ from serve_app.errors import (APIError, BadRequestError, EngineLost, OverloadedE
                               ServiceUnavailableError, param_of_value_error)
 from serve_app.metrics import ReplicaMetrics
 from serve_app.responses import pack_embedding
-from serve_app.stream_channel import HEARTBEAT_S, NEWS_KEY, ReplicaConnection, StreamOutbox
+from serve_app.stream_channel import HEARTBEAT_S, ReplicaConnection, StreamOutbox
 
 logger = logging.getLogger("ray.serve")
 
-STATS_PERIOD_S = HEARTBEAT_S  # the engine's gauges, and the stats each router gets on its connection
 STRUCTURED_COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is a 400
 
 
@@ -49,7 +48,8 @@ class LLMReplica:
     def __init__(self, model: str = "demo-tiny", engine_args: dict[str, Any] | None = None,
                  served_model_name: str | None = None, max_queued_requests: int = 256,
                  max_messages_per_s: float = 200.0, engine_cls: type = AsyncLLMEngine,
-                 engine_process: bool = False, engine_cpus: str | None = None) -> None:
+                 engine_process: bool = False, engine_cpus: str | None = None,
+                 stats_period_s: float = HEARTBEAT_S) -> None:
         self.model_name = served_model_name or model
         engine_args = dict(engine_args or {})
         if engine_process and engine_cls is AsyncLLMEngine:  # a stand-in engine runs where it is
@@ -57,6 +57,10 @@ class LLMReplica:
         self.engine = engine_cls(model, **engine_args)
         self.max_queued_requests = max_queued_requests
         self.max_messages_per_s = max_messages_per_s
+        # The engine's gauges, and the stats each router gets on its connection: as often as the deployment's
+        # routing stats (routing_stats_period_s, what Serve's request router sees), and at least every
+        # HEARTBEAT_S, since they are also the connection's heartbeat.
+        self.stats_period_s = min(stats_period_s, HEARTBEAT_S)
         self.num_streams = 0
         self.metrics = ReplicaMetrics()
         self.engine.step_observer = self.metrics.observe_step
@@ -67,7 +71,8 @@ class LLMReplica:
             self.replica_id = "local"
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self._stats_task: asyncio.Task | None = None
-        self.outbox = StreamOutbox(self.replica_id, on_frame=self._on_channel_frame, on_close=_abort_its_requests)
+        self.outbox = StreamOutbox(self.replica_id, on_frame=self._on_channel_frame, on_close=_abort_its_requests,
+                                   greeting=lambda: {"stats": self.stats()})
         self.draining = False
         self.engine.death_observer = _exit_without_an_engine
 
@@ -105,14 +110,10 @@ class LLMReplica:
         return self.replica_id
 
     def _connection(self, route: dict[str, Any]) -> ReplicaConnection:
-        """The connection to a router, opened if need be; a new one first says this replica's load, so that the
-        router ranks it with the others from the start rather than half a second later."""
-        connection = self.outbox.connection(route)
-        if not connection.told_stats:
-            connection.told_stats = True
-            connection.send(NEWS_KEY, {"stats": self.stats()})
+        """The connection to a router, opened if need be (its first news is this replica's stats, and the
+        heartbeat that follows them starts)."""
         self._ensure_stats_task()
-        return connection
+        return self.outbox.connection(route)
 
     def _on_channel_frame(self, connection: ReplicaConnection, frame: list) -> None:
         for op, payload in frame:
@@ -132,7 +133,6 @@ class LLMReplica:
         if self.draining:  # sent before the router heard that this replica is draining: it goes elsewhere
             connection.send(key, {"draining": True})
             return
-        self._ensure_stats_task()
         messages = self._messages(request)
         try:
             async for message in messages:
@@ -373,7 +373,7 @@ class LLMReplica:
                     self.outbox.tell_all({"stats": self.stats()})
             except Exception:  # metrics must never take the replica down
                 logger.exception("failed to publish engine metrics")
-            await asyncio.sleep(STATS_PERIOD_S)
+            await asyncio.sleep(self.stats_period_s)
 
 
 def _exit_without_an_engine(error: BaseException) -> None:

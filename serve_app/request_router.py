@@ -70,11 +70,11 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
         deployment = self._deployment_id
-        this_module().remember_live_replicas(deployment.app_name, deployment.name,
-                                             frozenset(r.replica_id.unique_id for r in replicas))
+        this_module().remember_live_replicas(deployment.app_name, deployment.name, replica_ids)
         # A replica that is gone takes its cache with it (a restarted one comes back with a new id).
-        self.policy.prefix_index.forget_except({r.replica_id.unique_id for r in replicas})
+        self.policy.prefix_index.forget_except(replica_ids)
 
     def _count(self, request_id: str, replica_id: str) -> None:
         previous = self._counted_on.get(request_id)

@@ -412,7 +412,7 @@ class Router:
         # Requests sent down replicas' connections are routed here, by the same policies as Serve's calls.
         self.link_policy = RoutingPolicy(config.routing_policy)
         self._replicas_key = (replicas.app_name, replicas.deployment_name)  # for request_router.live_replicas
-        self._live_replicas = request_router.this_module().live_replicas
+        self._live_replicas = request_router.live_replicas  # the module travels by name, so this is the live one
         self._introduce_now = asyncio.Event()
         self.requests_sent = {"connection": 0, "serve_call": 0}  # how attempts went (/stats)
         self._introductions: asyncio.Task | None = None

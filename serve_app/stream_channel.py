@@ -17,8 +17,8 @@ elsewhere (the router's migration).
 
 The router listens (``StreamInbox``) on its node's address with a random secret. A replica connects
 (``StreamOutbox``), says the secret and its replica id, then sends ``[[key, message], ...]`` frames: key 0 for
-its own news (its stats every ``HEARTBEAT_S``, which are also its load for routing; that it is draining), other
-keys for one request's chunks. The router sends ``[[op, payload], ...]``: ``["generate", request]`` (the request
+its own news (its stats every ``routing_stats_period_s``, at most ``HEARTBEAT_S``, which are also its load for
+routing; that it is draining), other keys for one request's chunks. The router sends ``[[op, payload], ...]``: ``["generate", request]`` (the request
 names its key) and ``["abort", key]``. Messages for a key the router no longer expects are dropped.
 """
 
@@ -39,7 +39,7 @@ logger = logging.getLogger("ray.serve")
 _LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a frame larger than this is a broken or hostile peer
 NEWS_KEY = 0  # a replica's messages about itself, not about a request
-HEARTBEAT_S = 0.5  # a replica's stats on each connection, this often
+HEARTBEAT_S = 0.5  # a replica's stats on each connection, at least this often
 SILENCE_S = 10.0  # a connection nothing came on for this long is lost
 
 
@@ -278,7 +278,6 @@ class ReplicaConnection(_Writer):
                  on_close: Callable[["ReplicaConnection"], None] | None) -> None:
         super().__init__()
         self.tasks: dict[int, asyncio.Task] = {}  # the requests that came on it, by key (the replica's to fill)
-        self.told_stats = False  # whether the replica has sent its stats on it yet (the replica's to set)
         self._on_frame, self._on_close = on_frame, on_close
         self.opened = asyncio.ensure_future(self._open(address["host"], address["port"], address["secret"],
                                                        replica_id))
@@ -328,9 +327,12 @@ class StreamOutbox:
 
     def __init__(self, replica_id: str = "local",
                  on_frame: Callable[[ReplicaConnection, list], None] | None = None,
-                 on_close: Callable[[ReplicaConnection], None] | None = None) -> None:
+                 on_close: Callable[[ReplicaConnection], None] | None = None,
+                 greeting: Callable[[], dict[str, Any]] | None = None) -> None:
+        """``greeting``: the news a new connection carries first (the replica's stats, so that the router ranks it
+        with the others from the start rather than a heartbeat later)."""
         self.replica_id = replica_id
-        self._on_frame, self._on_close = on_frame, on_close
+        self._on_frame, self._on_close, self._greeting = on_frame, on_close, greeting
         self._connections: dict[tuple[str, int, str], ReplicaConnection] = {}
 
     def connection(self, route: dict[str, Any]) -> ReplicaConnection:
@@ -340,9 +342,10 @@ class StreamOutbox:
             # routers come and go (redeploys, restarts): forget the connections to those that went
             for gone in [w for w, c in self._connections.items() if c.broken]:
                 del self._connections[gone]
-            connection = self._connections[where] = ReplicaConnection(
-                {"host": where[0], "port": where[1], "secret": where[2]}, self.replica_id, self._on_frame,
-                self._on_close)
+            connection = self._connections[where] = ReplicaConnection(route, self.replica_id, self._on_frame,
+                                                                      self._on_close)
+            if self._greeting is not None:
+                connection.send(NEWS_KEY, self._greeting())
         return connection
 
     def tell_all(self, news: dict[str, Any]) -> None:
