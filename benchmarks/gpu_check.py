@@ -123,13 +123,57 @@ def attention_bandwidth(args, copy_bw: float) -> dict[str, Any]:
 
 
 # -- 3. end-to-end decode ------------------------------------------------------------------------------
+class StepGaps:
+    """CUDA events around each step's device work, on the runner: the GPU's idle time between the end of one
+    step (its sampled tokens on the host) and the start of the next one's forward (graph replay or eager model).
+    What lies between is the host's work the GPU waits for: sampling's copy back, scheduling when the loop is
+    synchronous, input preparation."""
+
+    def __init__(self, runner) -> None:
+        self.gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (a step's end, the next one's start)
+        self._last_end: torch.cuda.Event | None = None
+        execute = runner.execute
+        forward = runner.graphs.run if runner.graphs is not None else runner.model.forward
+
+        def timed_forward(*a, **k):
+            if self._last_end is not None:
+                self.gaps.append((self._last_end, self._mark()))
+            return forward(*a, **k)
+
+        def timed_execute(*a, **k):
+            out = execute(*a, **k)
+            self._last_end = self._mark()
+            return out
+
+        runner.execute = timed_execute  # both run on the thread that computes steps, in step order
+        if runner.graphs is not None:
+            runner.graphs.run = timed_forward
+        else:
+            runner.model.forward = timed_forward
+
+    @staticmethod
+    def _mark() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def reset(self) -> None:
+        self.gaps = []
+
+    def median_us(self) -> float | None:
+        torch.cuda.synchronize()
+        gaps = [end.elapsed_time(start) * 1e3 for end, start in list(self.gaps)]
+        return float(np.median(gaps)) if gaps else None
+
+
 def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int, args,
-                  enforce_eager: bool = False) -> dict[str, Any]:
-    """Tokens/s of pure decode steps with ``batch`` requests running, after all prompts are in."""
+                  enforce_eager: bool = False, async_scheduling: bool | None = None) -> dict[str, Any]:
+    """Tokens/s of pure decode steps with ``batch`` requests running, after all prompts are in, and the GPU's
+    idle gap between two steps (``StepGaps``). ``async_scheduling`` None is the engine's default (on, on CUDA)."""
     from engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=max(batch, 8),
-                       enforce_eager=enforce_eager,
+                       enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                        max_num_batched_tokens=max(8192, batch), attention_backend=args.attention_backend,
                        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=prompt_len + 512)
     prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
@@ -143,13 +187,17 @@ def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int
             started.update(o.request_id for o in engine.step())
         for _ in range(3):
             engine.step()
+        gaps = StepGaps(engine.runner)
+        engine.step()
         torch.cuda.synchronize()
+        gaps.reset()
         t0 = time.perf_counter()
         for _ in range(timed_steps):
             outputs = engine.step()
             assert len(outputs) == batch, "a request left the batch during the timed decode"
         seconds = time.perf_counter() - t0
         info = {"backend": engine.runner.backend.name, "block_size": engine.config.block_size,
+                "async_scheduling": engine.async_scheduling, "gpu_gap_us": gaps.median_us(),
                 "kv_blocks": engine.runner.num_kv_blocks, "cuda_graphs": engine.runner.graphs is not None,
                 "decode_config": str(getattr(engine.runner.backend, "_decode_config", lambda *a: None)(
                     4, 128, engine.config.block_size, torch.bfloat16))}
@@ -277,12 +325,14 @@ def hf_continuous_batching(model, prompts, new_tokens: int, deadline_s: float = 
 
 
 # -- 5. the seed workload, static vs continuous -------------------------------------------------------------
-def seed_workload_run(model_dir: Path, batching: str, args) -> dict[str, Any]:
+def seed_workload_run(model_dir: Path, batching: str, args, async_scheduling: bool | None = None) -> dict[str, Any]:
+    """The seed workload (all at t=0): useful tok/s, mean latency, and each request's greedy tokens."""
     from benchmarks.workloads import seed_workload
     from engine import LLMEngine, SamplingParams
 
     requests = seed_workload(args.seed_requests, seed=0)
     engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", batching=batching, block_size=16,
+                       async_scheduling=async_scheduling,
                        num_kv_blocks=500, max_num_seqs=8 if batching == "static" else 64,
                        max_num_batched_tokens=2048, attention_backend=args.attention_backend, max_model_len=1024)
     engine.add_request("warm", requests[0].prompt_token_ids, SamplingParams(max_tokens=4, temperature=0.0))
@@ -292,14 +342,19 @@ def seed_workload_run(model_dir: Path, batching: str, args) -> dict[str, Any]:
     for i, r in enumerate(requests):
         engine.add_request(f"r{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
                                                                        ignore_eos=True))
-    latencies = []
+    latencies, tokens = [], {}
     while engine.has_unfinished_requests():
-        latencies.extend(time.perf_counter() - t0 for o in engine.step() if o.finished)
+        for o in engine.step():
+            if o.finished:
+                latencies.append(time.perf_counter() - t0)
+                tokens[o.request_id] = o.outputs[0].token_ids
     seconds = time.perf_counter() - t0
+    info = {"async_scheduling": engine.async_scheduling, "preemptions": engine.stats().get("num_preemptions")}
     del engine
     free_cuda()
     useful = sum(r.max_tokens for r in requests)
-    return {"tokens_per_s": useful / seconds, "mean_latency_s": float(np.mean(latencies)), "seconds": seconds}
+    return {"tokens_per_s": useful / seconds, "mean_latency_s": float(np.mean(latencies)), "seconds": seconds,
+            **info, "_tokens": [tokens[f"r{i}"] for i in range(len(requests))]}
 
 
 def speculative_runs(model_dir: Path, args, num_requests: int = 4, prompt_len: int = 512,
@@ -345,7 +400,9 @@ def run_section(results: dict, name: str, fn: Callable[[], Any]) -> None:
         traceback.print_exc()
         results[name] = {"error": f"{type(error).__name__}: {error}"}
     results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
-    print(f"== {name}: {results[name]} ({results['section_seconds'][name]} s)", file=sys.stderr, flush=True)
+    shown = {k: v for k, v in results[name].items() if not k.startswith("_")} if isinstance(results[name], dict) \
+        else results[name]
+    print(f"== {name}: {shown} ({results['section_seconds'][name]} s)", file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -395,24 +452,36 @@ def main(argv=None) -> int:
         run_section(results, "bandwidth", lambda: attention_bandwidth(args, copy_bw))
     if "decode" in sections:
         prompt_len, steps = 512, (8 if args.quick else 32)
-        for batch in ((1, 8) if args.quick else (1, 64, 256)):
-            def decode(batch=batch):
+        largest = 8 if args.quick else 256
+        # the largest batch once more with the synchronous loop: what async scheduling hides of the host's work
+        for batch, loop in [*((b, None) for b in ((1, 8) if args.quick else (1, 64, 256))), (largest, False)]:
+            def decode(batch=batch, loop=loop):
                 try:
-                    measured = engine_decode(model_dir, batch, prompt_len, steps, args)
+                    measured = engine_decode(model_dir, batch, prompt_len, steps, args, async_scheduling=loop)
                 except Exception as error:  # keep a number: fall back to eager steps, and say why
                     traceback.print_exc()
                     free_cuda()
-                    measured = engine_decode(model_dir, batch, prompt_len, steps, args, enforce_eager=True)
+                    measured = engine_decode(model_dir, batch, prompt_len, steps, args, enforce_eager=True,
+                                             async_scheduling=loop)
                     measured["graphs_error"] = f"{type(error).__name__}: {error}"
                 bound = roofline(batch, prompt_len + 3 + steps / 2, num_layers, read_bw)  # mean context while timed
                 return {**measured, **bound, "fraction_of_roofline": measured["tokens_per_s"] / bound["roofline_tokens_per_s"]}
-            run_section(results, f"decode_b{batch}", decode)
+            run_section(results, f"decode_b{batch}" + ("_sync" if loop is False else ""), decode)
     if "speculative" in sections:
         run_section(results, "speculative", lambda: speculative_runs(model_dir, args, new_tokens=32 if args.quick
                                                                        else 128))
     if "seed" in sections:
-        for batching in ("static", "continuous"):
-            run_section(results, f"seed_{batching}", lambda batching=batching: seed_workload_run(model_dir, batching, args))
+        for name, batching, loop in (("static", "static", None), ("continuous", "continuous", None),
+                                     ("continuous_sync", "continuous", False)):
+            run_section(results, f"seed_{name}",
+                        lambda batching=batching, loop=loop: seed_workload_run(model_dir, batching, args, loop))
+        runs = [results.get(f"seed_{name}", {}).get("_tokens") for name in ("static", "continuous", "continuous_sync")]
+        if all(runs):  # greedy tokens: the two loops (async and synchronous) and static batching, request by request
+            results["seed_same_tokens"] = {
+                "async_vs_sync": sum(a == b for a, b in zip(runs[1], runs[2])),
+                "continuous_vs_static": sum(a == b for a, b in zip(runs[1], runs[0])), "requests": len(runs[0])}
+        for name in ("static", "continuous", "continuous_sync"):
+            results.get(f"seed_{name}", {}).pop("_tokens", None)
     if "transformers" in sections:  # last: the slowest and least predictable
         num, new = (8, 16) if args.quick else (64, 64)
         prompts = random_prompts(num, 512, seed=1)
@@ -458,9 +527,11 @@ def print_summary(results: dict[str, Any]) -> None:  # noqa: C901 (one row per m
         if "error" in r:
             rows.append((key, r["error"]))
         else:
-            rows.append((f"decode batch {r['batch']} ({r['backend']}): tok/s, step ms, forward ms, % roofline",
+            loop = "async" if r.get("async_scheduling") else "sync"
+            rows.append((f"decode batch {r['batch']} ({r['backend']}, {loop}): tok/s, step ms, forward ms, "
+                         "% roofline, GPU gap us",
                          f"{num(r['tokens_per_s'])}, {r['step_ms']:.2f}, {num(r.get('graph_replay_ms'), fmt='{:.2f}')}, "
-                         f"{r['fraction_of_roofline']:.0%}"))
+                         f"{r['fraction_of_roofline']:.0%}, {num(r.get('gpu_gap_us'), fmt='{:.0f}')}"))
     ours, hf = results.get("same_workload_ours"), results.get("transformers")
     if ours is not None:
         rows.append(("same workload: ours tok/s", num(ours)))
@@ -469,7 +540,7 @@ def print_summary(results: dict[str, Any]) -> None:  # noqa: C901 (one row per m
             ratio = f" (ours x{ours / value:.2f})" if isinstance(value, float) and value > 0 and isinstance(ours, float) else ""
             rows.append((f"same workload: transformers {name} tok/s", num(value) + ratio))
     static, cont = results.get("seed_static"), results.get("seed_continuous")
-    for name, r in (("static", static), ("continuous", cont)):
+    for name, r in (("static", static), ("continuous", cont), ("continuous, sync loop", results.get("seed_continuous_sync"))):
         if isinstance(r, dict) and "error" not in r:
             rows.append((f"seed {name}: tok/s, mean latency s", f"{num(r['tokens_per_s'])}, {r['mean_latency_s']:.2f}"))
         elif r is not None:
@@ -478,6 +549,10 @@ def print_summary(results: dict[str, Any]) -> None:  # noqa: C901 (one row per m
         rows.append(("seed continuous/static: throughput x, latency x",
                      f"{cont['tokens_per_s'] / static['tokens_per_s']:.2f}, "
                      f"{cont['mean_latency_s'] / static['mean_latency_s']:.2f}"))
+    same = results.get("seed_same_tokens")
+    if same:
+        rows.append(("seed greedy tokens equal: async vs sync loop, continuous vs static (requests)",
+                     f"{same['async_vs_sync']}/{same['requests']}, {same['continuous_vs_static']}/{same['requests']}"))
     spec = results.get("speculative")
     if isinstance(spec, dict) and "error" not in spec:
         base = spec["none"]["tokens_per_s"]
