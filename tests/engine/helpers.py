@@ -14,8 +14,10 @@ EOS_ID = 2  # demo-tiny's and the test checkpoints' eos
 FIRST_BYTE_ID = 7  # ids below this are special tokens in the byte-level vocabulary
 VOCAB_SIZE = 263
 
-# Small KV pool and batch by default: tests never rely on the CPU default of 1 GiB of KV.
-ENGINE_DEFAULTS: dict[str, Any] = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+# Small KV pool and batch by default: tests never rely on the CPU default of 1 GiB of KV. float32 everywhere: the
+# test checkpoints and transformers' reference are float32, and on a GPU dtype auto would run them in bfloat16.
+ENGINE_DEFAULTS: dict[str, Any] = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
+                                       dtype="float32")
 
 
 def make_engine(model: str = "demo-tiny", **overrides: Any) -> LLMEngine:
