@@ -125,14 +125,15 @@ def attention_bandwidth(args, copy_bw: float) -> dict[str, Any]:
 # -- 3. end-to-end decode ------------------------------------------------------------------------------
 class StepGaps:
     """CUDA events around each step's device work, on the runner: the GPU's idle time between the end of one
-    step (its sampled tokens on the host) and the start of the next one's forward (graph replay or eager model).
-    What lies between is the host's work the GPU waits for: sampling's copy back, scheduling when the loop is
-    synchronous, input preparation."""
+    step (its ``ready`` event: tokens sampled and on their way to the host) and the start of the next one's
+    forward (graph replay or eager model). What lies between is host work the GPU waits for: with the
+    synchronous loop, the tokens' way back, output processing, scheduling and input preparation; with async
+    scheduling, only what the host could not do while the GPU ran the step before."""
 
     def __init__(self, runner) -> None:
         self.gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (a step's end, the next one's start)
         self._last_end: torch.cuda.Event | None = None
-        execute = runner.execute
+        launch = runner.launch
         forward = runner.graphs.run if runner.graphs is not None else runner.model.forward
 
         def timed_forward(*a, **k):
@@ -140,12 +141,12 @@ class StepGaps:
                 self.gaps.append((self._last_end, self._mark()))
             return forward(*a, **k)
 
-        def timed_execute(*a, **k):
-            out = execute(*a, **k)
-            self._last_end = self._mark()
-            return out
+        def timed_launch(*a, **k):
+            step = launch(*a, **k)
+            self._last_end = step.ready
+            return step
 
-        runner.execute = timed_execute  # both run on the thread that computes steps, in step order
+        runner.launch = timed_launch  # both run on the thread that computes steps, in step order
         if runner.graphs is not None:
             runner.graphs.run = timed_forward
         else:

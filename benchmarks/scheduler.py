@@ -56,24 +56,88 @@ STAND_IN_TOKEN_ID = 72  # demo-tiny's "b": a printable ASCII byte, so every toke
 PARTS = ("scheduling", "block bookkeeping", "input preparation", "output processing", "engine loop")
 
 
+class StandInEvent:
+    """A CUDA event's stand-in on the stand-in device: reached when the device gets to time ``at``."""
+
+    def __init__(self, device: "StandInDevice", at: float) -> None:
+        self.device, self.at = device, at
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.at
+
+    def synchronize(self) -> None:
+        self.device.wait_until(self.at)
+
+    def elapsed_time(self, end: "StandInEvent") -> float:
+        return (end.at - self.at) * 1e3
+
+
+class StandInModel:
+    """The model's stand-in: no compute; every row's logits pick ``STAND_IN_TOKEN_ID``."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        self.hidden_size = hidden_size
+        self.row = torch.zeros(vocab_size)
+        self.row[STAND_IN_TOKEN_ID] = 1.0
+
+    def __call__(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
+        return torch.zeros(len(input_ids), self.hidden_size)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.row.expand(len(hidden), -1)
+
+
 class StandInDevice:
-    """``ModelRunner.execute`` replaced by a stand-in: a fixed token for every sampled row, after ``device_ms``
-    of ``time.sleep``, which holds no GIL and no core (what a GPU step looks like to the host). A sleep
-    overshoots (by ~0.2 ms on the benchmark machine), so the time it really took is added up in ``busy_s``:
-    the host's overhead is the wall time beyond that."""
+    """A GPU's stand-in under the engine: each launched step occupies it for ``device_ms`` after the step launched
+    before it (a stream), and the host waits for a step's tokens the way it waits for a GPU's, in
+    ``ModelRunner.collect`` (here ``time.sleep``: no GIL held, no core used). ``busy_between`` is the device's time
+    in a window: each step's ``device_ms``, and a sleep's overshoot (~0.1-0.2 ms) where the device had nothing
+    queued behind the step (the host learnt of the step that late, which a GPU's wake-up would not add); the host's
+    overhead is the wall time beyond it.
 
-    def __init__(self, device_ms: float = 0.0) -> None:
+    ``level`` says what stands in. ``model``: the model alone, so the runner's own host work (input arrays,
+    placeholders, attention metadata, the launch) runs as on a GPU, on the thread that computes steps.
+    ``runner``: the runner's launch too, so only the engine core's work runs (how issue 14's targets were
+    measured)."""
+
+    def __init__(self, runner, device_ms: float = 0.0, level: str = "model") -> None:
+        from engine.model_runner import LaunchedStep, RunnerOutput
+
         self.seconds = device_ms / 1e3
-        self.busy_s = 0.0
+        self.free_at = 0.0
+        self.intervals: list[list[float]] = []  # [start, end] of each step on the device, in order
+        cfg = runner.model_config
+        if level == "model":
+            runner.model = StandInModel(cfg.hidden_size, cfg.vocab_size)
+            launch = runner.launch
+        else:
+            def launch(batch, sampling):
+                rows = [i for i, sample in enumerate(batch.sample) if sample]
+                tokens = torch.full((len(rows),), STAND_IN_TOKEN_ID, dtype=torch.int64)
+                output = RunnerOutput([None] * batch.num_rows, [None] * batch.num_rows)
+                return LaunchedStep(output, batch.request_ids, rows, tokens=tokens, host_tokens=tokens)
 
-    def __call__(self, batch, sampling):
-        from engine.model_runner import RunnerOutput
+        def stand_in_launch(batch, sampling):
+            step = launch(batch, sampling)
+            start = max(self.free_at, time.perf_counter())
+            self.free_at = start + self.seconds
+            self.intervals.append([start, self.free_at])
+            step.started, step.ready = StandInEvent(self, start), StandInEvent(self, self.free_at)
+            return step
 
-        if self.seconds:
-            started = time.perf_counter()
-            time.sleep(self.seconds)
-            self.busy_s += time.perf_counter() - started
-        return RunnerOutput([STAND_IN_TOKEN_ID if s else None for s in batch.sample], [None] * batch.num_rows)
+        runner.launch = stand_in_launch
+
+    def wait_until(self, at: float) -> None:
+        remaining = at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+            woke = time.perf_counter()
+            if self.free_at <= at:  # nothing queued behind: the device idles while the sleep overshoots, which a
+                self.intervals[-1][1] = self.free_at = woke  # GPU's wake-up would not do: device time, not the host's
+
+    def busy_between(self, start: float, end: float) -> float:
+        """Seconds the device was busy between two ``time.perf_counter()`` readings."""
+        return sum(max(0.0, min(e, end) - max(s, start)) for s, e in self.intervals)
 
 
 def build_engine(args, async_scheduling: bool = False):
@@ -85,7 +149,7 @@ def build_engine(args, async_scheduling: bool = False):
                        block_size=args.block_size, num_kv_blocks=args.num_requests * blocks_per_request,
                        max_model_len=args.prompt_len + args.max_tokens, async_scheduling=async_scheduling,
                        persistent_batch=args.persistent_batch == "on")
-    engine.runner.execute = StandInDevice(args.device_ms)
+    engine.stand_in = StandInDevice(engine.runner, args.device_ms, args.stand_in)  # a benchmark's own attribute
     return engine
 
 
@@ -109,19 +173,22 @@ def start_requests(engine, args, block: int) -> None:
         engine.step()
 
 
-def time_steps(engine, steps: int, num_requests: int) -> tuple[float, float, float]:
-    """(wall, CPU, device) microseconds per step over ``steps`` decode steps of every request. The host path is
-    one thread, so its CPU time is its cost without the waits a busy machine adds to the wall time; device is
-    the time the stand-in's forwards really took."""
-    device: StandInDevice = engine.runner.execute
-    busy_before = device.busy_s
+def time_steps(engine, steps: int, num_requests: int, front_end: bool = False) -> tuple[float, float, float]:
+    """(wall, CPU, device) microseconds per step over ``steps`` decode steps of every request: the core's steps,
+    or with ``front_end`` whole ``LLMEngine.step``s (the front end's work in the same thread, as ``LLM.generate``
+    runs). CPU is the host thread's: its cost without the waits a busy machine adds to the wall time; device is
+    the stand-in device's time as the host saw it."""
+    device: StandInDevice = engine.stand_in
+    step = engine.step if front_end else engine.core_step
     start, cpu_start = time.perf_counter(), time.thread_time()
     for _ in range(steps):
-        engine.core_step()
-    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+        step()
+    end, cpu = time.perf_counter(), time.thread_time() - cpu_start
+    elapsed, busy = end - start, device.busy_between(start, end)
+    del device.intervals[:-1]  # the one in flight may still grow (wait_until)
     if engine.last_batch_size != num_requests:
         raise RuntimeError(f"{engine.last_batch_size} of {num_requests} requests in the batch while being timed")
-    return elapsed / steps * 1e6, cpu / steps * 1e6, (device.busy_s - busy_before) / steps * 1e6
+    return elapsed / steps * 1e6, cpu / steps * 1e6, busy / steps * 1e6
 
 
 class PartTimer:
@@ -150,7 +217,7 @@ def time_parts(engine, steps: int) -> dict[str, float]:
     """Microseconds per step of each part, from a pass with every part wrapped."""
     timer = PartTimer()
     scheduler, kv, runner = engine.scheduler, engine.scheduler.kv, engine.runner
-    device, runner.execute = runner.execute, StandInDevice()  # host time only: no device time in any part
+    device_seconds, engine.stand_in.seconds = engine.stand_in.seconds, 0.0  # host time only: no device time
     wrapped = [(engine, "core_step", "engine loop"), (scheduler, "schedule", "scheduling"),
                (kv, "allocate", "block bookkeeping"), (kv, "free", "block bookkeeping"),
                (scheduler, "_build_output", "input preparation"), (runner, "execute", "input preparation"),
@@ -162,9 +229,8 @@ def time_parts(engine, steps: int) -> dict[str, float]:
             engine.core_step()
     finally:
         for owner, name, _ in wrapped:
-            if name != "execute":
-                delattr(owner, name)  # back to the class's method
-        runner.execute = device
+            delattr(owner, name)  # back to the class's method
+        engine.stand_in.seconds = device_seconds
     return {part: timer.seconds[part] / steps * 1e6 for part in PARTS}
 
 
@@ -260,6 +326,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="decode steps over an unchanged running set from the scheduler's persistent batch (on, "
                              "the engine's default) or through the general path every step (off: engine argument "
                              "persistent_batch=False, for comparison)")
+    parser.add_argument("--stand-in", default="model", choices=["model", "runner"],
+                        help="what the stand-in device replaces: the model (the runner's host work runs, as on a GPU) "
+                             "or the runner's launch too (only the engine core's work runs: issue 14's measure)")
+    parser.add_argument("--front-end", action="store_true",
+                        help="time whole LLMEngine.step()s: the front end (text, stop strings, outputs) in the same "
+                             "thread, as LLM.generate runs; by default the core's steps, as the engine's process runs")
     parser.add_argument("--loops", default="sync,async",
                         help="which engine loops to time, comma-separated: sync, async")
     parser.add_argument("--no-settle-heap", dest="settle_heap", action="store_false",
@@ -298,7 +370,7 @@ def time_loop(args, async_scheduling: bool) -> dict[str, Any]:
     name = "async" if async_scheduling else "sync"
     for block in tqdm(range(args.repeats), desc=f"timed blocks, {name}", unit="block", file=sys.stderr, leave=False):
         start_requests(engine, args, block)
-        wall, cpu, device = time_steps(engine, args.steps, args.num_requests)
+        wall, cpu, device = time_steps(engine, args.steps, args.num_requests, args.front_end)
         blocks.append(wall)
         cpu_blocks.append(cpu)
         device_blocks.append(device)

@@ -57,12 +57,13 @@ class DecodeGraphs:
     def fits(self, num_rows: int) -> bool:
         return num_rows <= self.max_batch
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, block_tables: np.ndarray,
+    def run(self, input_ids: torch.Tensor, positions: np.ndarray, slot_mapping: np.ndarray, block_tables: np.ndarray,
             seq_lens: np.ndarray) -> torch.Tensor:
-        """Hidden states [num_rows, hidden] of one decode step (row i = token i)."""
+        """Hidden states [num_rows, hidden] of one decode step (row i = token i). ``input_ids`` is already on the
+        device: its placeholders may have been filled there (ModelRunner._input_ids)."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
         self.slot_mapping[:n].copy_(torch.from_numpy(slot_mapping), non_blocking=True)
         self.block_tables[:n, :block_tables.shape[1]].copy_(torch.from_numpy(block_tables), non_blocking=True)

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable
 from engine.config import EngineConfig
 from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
 from engine.models.source import read_model_source
-from engine.model_runner import ModelRunner, PromptOutput, RunnerOutput, SharedBudget, resolve_device, resolve_dtype
+from engine.model_runner import (LaunchedStep, ModelRunner, PromptOutput, RunnerOutput, SharedBudget, resolve_device,
+                                 resolve_dtype)
 from engine.output_processor import CoreRecord, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.persistent_batch import consume
@@ -43,7 +44,8 @@ _LOGPROBS, _REPORTS_AT_END = attrgetter("logprobs"), attrgetter("reports_at_end"
 @dataclass
 class _Launched:
     """A scheduled step being computed: its batch, its rows' requests, and its (result, seconds) once known:
-    ``outcome`` when it was computed at once, ``future`` when it runs on the device thread."""
+    ``outcome`` when it was computed at once, ``future`` when it runs on the device thread (which sets it when it
+    collects the step: ``LLMEngine._launch_on_device``)."""
 
     batch: SchedulerOutput
     rows: list[Request]
@@ -104,6 +106,8 @@ class LLMEngine:
                      and config.speculative_config is None)
         self._device = ThreadPoolExecutor(1, thread_name_prefix="inflight-device") if use_async else None
         self._in_flight: _Launched | None = None
+        # The device thread's own: the step it launched and has not collected yet, with the future it answers.
+        self._uncollected: tuple[LaunchedStep, Future] | None = None
         self.speculator = self._make_speculator()
         self.scheduler.speculative = self.speculator is not None
         # Requests whose structured output compiles on a pool thread (the step loop does not wait for it), and
@@ -339,6 +343,8 @@ class LLMEngine:
             done = launched
         else:
             done, self._in_flight = self._in_flight, launched
+            if launched is None and done is not None:  # no later launch will collect it: collect it now
+                self._device.submit(self._collect_on_device)
         plain = False  # the processed step's rows are the usual case of the persistent batch (_plain_step)
         if done is not None:
             # the step's time for the predictor: all of it when the loop is synchronous (the next step waits
@@ -497,7 +503,42 @@ class LLMEngine:
                                  requests=sampled_rows)
         if self._device is None:
             return batch, _Launched(batch, rows, None, self._timed_execute(batch, sampling))
-        return batch, _Launched(batch, rows, self._device.submit(self._timed_execute, batch, sampling))
+        future: Future = Future()
+        self._device.submit(self._launch_on_device, batch, sampling, future)
+        return batch, _Launched(batch, rows, future)
+
+    def _launch_on_device(self, batch: SchedulerOutput, sampling: SamplingBatch, done: Future) -> None:
+        """The device thread's part of a step: launch it, then collect the step before it, which the device was
+        computing meanwhile. A GPU so has this step queued before the host learns the last one's tokens, and runs
+        step after step while the host processes outputs and schedules: no gap for the host's work, nor for this
+        thread's wait for the GIL (up to the interpreter's switch interval, 5 ms, while the host thread runs
+        Python). A step already computed (always, on a CPU, where launching computes it) is handed over at once:
+        nothing is gained by holding it."""
+        uncollected = self._uncollected
+        if uncollected is not None and uncollected[0].done():
+            self._collect_on_device()
+        try:
+            step = self.runner.launch(batch, sampling)
+        except BaseException as error:  # the step before is still owed its result
+            self._collect_on_device()
+            done.set_exception(error)
+            return
+        self._collect_on_device()
+        self._uncollected = (step, done)
+        if step.done():
+            self._collect_on_device()
+
+    def _collect_on_device(self) -> None:
+        """Hand the uncollected step's (result, device seconds) to its future; nothing when there is none."""
+        if self._uncollected is None:
+            return
+        (step, done), self._uncollected = self._uncollected, None
+        try:
+            result = self.runner.collect(step)
+        except BaseException as error:
+            done.set_exception(error)
+            return
+        done.set_result((result, self.runner.device_seconds(step)))
 
     def _timed_execute(self, batch: SchedulerOutput, sampling: SamplingBatch) -> tuple[RunnerOutput, float]:
         started = time.perf_counter()

@@ -2,6 +2,12 @@
 
 Owns the model, the paged KV cache tensors and the sampler. Input preparation is vectorised
 with numpy: no Python loop over rows.
+
+A step is launched, then collected (``launch``, ``collect``; ``execute`` is both). Launching queues the
+step's device work and returns; a greedy step's tokens stay on the device until it is collected, so the
+next step can be launched behind it before they reach the host: its rows that decode a token not yet known
+on the host (async scheduling's placeholders) read it from the device. The GPU then runs step after step
+while the host does the rest.
 """
 
 from __future__ import annotations
@@ -51,6 +57,26 @@ class PromptOutput:
 
     logprobs: list[TokenLogprobs] | None
     pooled_sum: torch.Tensor | None  # [hidden] float32 on the host
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued. ``output`` is complete except for the tokens of ``sample_rows`` when
+    ``tokens`` is set: a greedy step's argmax, still on the device, with its copy to the host (``host_tokens``)
+    complete once ``ready`` has fired (None on a CPU, where launching computed it)."""
+
+    output: "RunnerOutput"
+    request_ids: list[str]
+    sample_rows: list[int]
+    tokens: torch.Tensor | None = None  # [len(sample_rows)] int64 on the device
+    host_tokens: torch.Tensor | None = None
+    started: torch.cuda.Event | None = None
+    ready: torch.cuda.Event | None = None
+    launch_seconds: float = 0.0  # the host's time in launch(): the step's whole time where launching computes it
+
+    def done(self) -> bool:
+        """Whether the device has finished it (collecting it would not wait)."""
+        return self.tokens is None or self.ready is None or self.ready.query()
 
 
 @dataclass
@@ -130,7 +156,7 @@ class ModelRunner:
                             for _ in range(source.config.num_layers)] if self.num_swap_blocks else []
         self.swap_bytes_per_s = self._measure_swap_rate() if self.num_swap_blocks else 0.0
         self.graphs: DecodeGraphs | None = None
-        self._last_sampled: tuple[tuple[str, ...], tuple[int | None, ...]] = ((), ())  # the latest step's rows and samples
+        self._last_launched: LaunchedStep | None = None  # where a placeholder row of the next step finds its token
         if self.device.type == "cuda":
             cfg = source.config
             tune = getattr(self.backend, "tune_decode", None)
@@ -227,17 +253,23 @@ class ModelRunner:
                     device_tensor.index_copy_(dim, device_blocks,
                                               host_tensor.index_select(dim, host_blocks).to(self.device, non_blocking=True))
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, sampling: SamplingBatch) -> RunnerOutput:
+        return self.collect(self.launch(batch, sampling))
+
+    @torch.inference_mode()
+    def launch(self, batch: SchedulerOutput, sampling: SamplingBatch) -> LaunchedStep:
+        """Queue one step's device work. Tokens come back at once (on the host) unless every sampling row is
+        plain greedy: then they stay on the device until ``collect``, and the next launch may come first."""
+        started = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        start_event = _recorded_event() if cuda else None
         if batch.swap_out or batch.swap_in:
             self.copy_blocks(batch.swap_out, batch.swap_in)
         if batch.ended_ids:
             self.sampler.forget(batch.ended_ids)
         arrays = self._prepare(batch)
-        logits_index = torch.from_numpy(arrays.logits_index).to(self.device)
-        input_ids = np.asarray(batch.input_token_ids, dtype=np.int64)
-        if batch.placeholder_rows:
-            self._fill_placeholders(input_ids, batch)
+        logits_index = torch.from_numpy(arrays.logits_index).to(self.device, non_blocking=True)
+        input_ids = self._input_ids(batch)
         if self.graphs is not None and arrays.all_decode and self.graphs.fits(batch.num_rows):
             hidden = self.graphs.run(input_ids, arrays.positions, arrays.slots, arrays.tables, arrays.seq_lens)
         else:
@@ -245,24 +277,52 @@ class ModelRunner:
             layout = BatchLayout(query_lens=batch.query_lens, seq_lens=arrays.seq_lens.tolist(),
                                  block_tables=to(arrays.tables), slot_mapping=to(arrays.slots),
                                  block_size=self.block_size)
-            hidden = self.model(to(input_ids), to(arrays.positions), self.kv_caches, self.backend.prepare(layout))
+            hidden = self.model(input_ids, to(arrays.positions), self.kv_caches, self.backend.prepare(layout))
         sampled: list[int | None] = [None] * batch.num_rows
         logprobs: list[TokenLogprobs | None] = [None] * batch.num_rows
         sample_rows = [i for i, s in enumerate(batch.sample) if s]
         output = RunnerOutput(sampled, logprobs)
+        step = LaunchedStep(output, batch.request_ids, sample_rows, started=start_event)
         if sample_rows and batch.spec_token_ids:
             self._verify(hidden, batch, sample_rows, sampling, output)
         elif sample_rows:
             logits = self.model.compute_logits(hidden[logits_index])
-            token_ids, token_logprobs = self.sampler(logits, sampling)
-            for row, token_id, lp in zip(sample_rows, token_ids, token_logprobs):
-                sampled[row] = token_id
-                logprobs[row] = lp
+            tokens = self.sampler.greedy_tokens(logits, sampling)
+            if tokens is not None:  # left on the device: collect() brings them to the host
+                step.tokens = tokens
+                step.host_tokens = tokens.to("cpu", non_blocking=True) if cuda else tokens
+            else:
+                token_ids, token_logprobs = self.sampler(logits, sampling)
+                for row, token_id, lp in zip(sample_rows, token_ids, token_logprobs):
+                    sampled[row] = token_id
+                    logprobs[row] = lp
         if batch.prompt_rows:
             output.prompt_outputs = self._prompt_outputs(hidden, batch.input_token_ids, batch.query_lens,
                                                          batch.prompt_rows)
-        self._last_sampled = (tuple(batch.request_ids), tuple(sampled))  # its own copy: the host gets `sampled`
-        return output
+        if cuda:
+            step.ready = _recorded_event()
+        self._last_launched = step
+        step.launch_seconds = time.perf_counter() - started
+        return step
+
+    @staticmethod
+    def collect(step: LaunchedStep) -> RunnerOutput:
+        """A launched step's output, once its tokens are on the host (waits for the device if need be)."""
+        if step.tokens is not None:
+            if step.ready is not None:
+                step.ready.synchronize()  # without the GIL: the host thread runs meanwhile
+            sampled = step.output.sampled_token_ids
+            for row, token_id in zip(step.sample_rows, step.host_tokens.tolist()):
+                sampled[row] = token_id
+            step.tokens = None  # collected: the device tensor can go
+        return step.output
+
+    @staticmethod
+    def device_seconds(step: LaunchedStep) -> float:
+        """A collected step's time on the device: from its start there to its tokens (on a CPU, its launch)."""
+        if step.started is None or step.ready is None:
+            return step.launch_seconds
+        return step.started.elapsed_time(step.ready) / 1e3
 
     def _verify(self, hidden: torch.Tensor, batch: SchedulerOutput, sample_rows: list[int], sampling: SamplingBatch,
                 output: RunnerOutput) -> None:
@@ -285,13 +345,29 @@ class ModelRunner:
                 output.accepted_token_ids[row] = tokens[1:]
                 output.accepted_logprobs[row] = lps[1:]
 
-    def _fill_placeholders(self, input_ids: np.ndarray, batch: SchedulerOutput) -> None:
-        """Async scheduling: a decode row scheduled before its input token was sampled takes it from the step
-        before this one (steps run in order, and a pending token is always the previous step's)."""
-        last = dict(zip(*self._last_sampled))
-        token_index = np.cumsum(batch.query_lens) - 1  # a placeholder row is a decode row: its one token
-        for row in batch.placeholder_rows:
-            input_ids[token_index[row]] = last[batch.request_ids[row]]
+    def _input_ids(self, batch: SchedulerOutput) -> torch.Tensor:
+        """The step's token ids on the device. Async scheduling: a decode row scheduled before its input token was
+        sampled takes it from the step launched before this one (steps run in order, and a pending token is always
+        the previous step's), on the host when that step's tokens are there, else on the device."""
+        rows, last = batch.placeholder_rows, self._last_launched
+        if not rows:
+            return torch.from_numpy(np.asarray(batch.input_token_ids, dtype=np.int64)).to(self.device, non_blocking=True)
+        position = {request_id: i for i, request_id in enumerate(map(last.request_ids.__getitem__, last.sample_rows))}
+        source = [position[batch.request_ids[row]] for row in rows]
+        num_tokens = len(batch.input_token_ids)
+        if last.tokens is not None and len(source) == len(last.sample_rows) == num_tokens \
+                and source == list(range(num_tokens)):
+            return last.tokens  # the usual decode step: every row, in the order of the step before (read, not written)
+        input_ids = np.asarray(batch.input_token_ids, dtype=np.int64)
+        token_index = (np.cumsum(batch.query_lens) - 1)[rows]  # a placeholder row is a decode row: its one token
+        if last.tokens is None:  # known on the host
+            sampled = last.output.sampled_token_ids
+            input_ids[token_index] = [sampled[last.sample_rows[i]] for i in source]
+            return torch.from_numpy(input_ids).to(self.device, non_blocking=True)
+        ids = torch.from_numpy(input_ids).to(self.device, non_blocking=True)
+        to = lambda a: torch.as_tensor(a, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        ids[to(token_index)] = last.tokens[to(source)]
+        return ids
 
     @torch.inference_mode()
     def execute_prefill(self, batch: PrefillBatch) -> list[PromptOutput]:
@@ -384,6 +460,12 @@ class ModelRunner:
 
         logits_index = (token_ends - 1)[np.asarray(batch.sample)]
         return StepArrays(positions, seq_lens, tables, slots, logits_index, all_decode=bool((query_lens == 1).all()))
+
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _reserved(cache: torch.Tensor) -> torch.Tensor:

@@ -120,3 +120,24 @@ async def assert_engine_dead(aengine, stream) -> None:
         aengine.check_health()
     with pytest.raises(EngineDeadError):
         aengine.submit([10, 11], greedy(2))  # new requests fail fast too
+
+
+def launch_ahead(monkeypatch, runner) -> list[int]:
+    """Make the device thread work as on a GPU, where a launched step is still computing when the next one is
+    launched: no step counts as done until it is collected, so each step is launched before the one before it is
+    collected, and its placeholder rows take their tokens from that step's token tensor (on a CPU a step is
+    computed by its launch, and is handed over at once). Returns a list that counts those launches."""
+    from engine.model_runner import LaunchedStep
+
+    monkeypatch.setattr(LaunchedStep, "done", lambda step: step.tokens is None)
+    ahead: list[int] = []
+    launch = runner.launch
+
+    def counting_launch(batch, sampling):
+        last = runner._last_launched
+        if batch.placeholder_rows and last is not None and last.tokens is not None:
+            ahead.append(len(batch.placeholder_rows))
+        return launch(batch, sampling)
+
+    runner.launch = counting_launch
+    return ahead

@@ -16,7 +16,7 @@ import collections
 import pytest
 
 from engine import PoolingParams, SamplingParams
-from tests.engine.helpers import make_engine, random_prompts
+from tests.engine.helpers import launch_ahead, make_engine, random_prompts
 
 PREFIX = random_prompts(1, 24, 24, seed=5)[0]
 PROMPTS = [PREFIX + p for p in random_prompts(6, 3, 10, seed=6)] + random_prompts(6, 8, 30, seed=7)
@@ -59,14 +59,14 @@ def drive(engine, requests) -> tuple[dict, dict, dict]:
     Returns every request's outputs in order, its final output, and the rows that sampled for each of
     its sequences."""
     sampled_rows: collections.Counter = collections.Counter()
-    execute = engine.runner.execute
+    launch = engine.runner.launch  # every step the device computes is launched (execute = launch + collect)
 
-    def counting_execute(batch, sampling):
+    def counting_launch(batch, sampling):
         for request_id, sample in zip(batch.request_ids, batch.sample):
             sampled_rows[request_id] += sample
-        return execute(batch, sampling)
+        return launch(batch, sampling)
 
-    engine.runner.execute = counting_execute
+    engine.runner.launch = counting_launch
     pending = sorted(requests, key=lambda r: r[0])
     seen: dict[str, list] = collections.defaultdict(list)
     tokens_of: collections.Counter = collections.Counter()
@@ -115,13 +115,17 @@ def stops():
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_async_scheduling_gives_the_synchronous_results(stops, preemption_mode):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["computed-at-launch", "launched-ahead"])
+def test_async_scheduling_gives_the_synchronous_results(stops, preemption_mode, pipelined, monkeypatch):
     stop_string, stop_token = stops
     requests = workload(stop_string, stop_token)
     sync_engine, async_engine = engine_for(False, preemption_mode), engine_for(True, preemption_mode)
     assert not sync_engine.async_scheduling and async_engine.async_scheduling
     sync_seen, sync_final, _ = drive(sync_engine, requests)
+    ahead = launch_ahead(monkeypatch, async_engine.runner) if pipelined else None
     async_seen, async_final, async_rows = drive(async_engine, requests)
+    if pipelined:
+        assert len(ahead) > 20, "steps were not launched before the step before them was collected"
 
     assert async_final.keys() == sync_final.keys() == {r[1] for r in requests}
     for request_id, want in sync_final.items():

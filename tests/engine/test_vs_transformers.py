@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.checkpoints import ARCHITECTURES, hf_greedy, hf_logits
-from tests.engine.helpers import generate_ids, greedy, make_engine, random_prompts
+from tests.engine.helpers import generate_ids, greedy, launch_ahead, make_engine, random_prompts
 
 NUM_REQUESTS = 8
 # Different lengths so requests end at different steps; one ends right after its prefill.
@@ -47,14 +47,19 @@ def test_greedy_matches_transformers_under_pressure(checkpoint, arch, backend):
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["computed-at-launch", "launched-ahead"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_async_scheduling_matches_transformers(checkpoint, arch):
-    """Steps scheduled ahead of their inputs (the forward on the device thread) give the same tokens."""
+def test_async_scheduling_matches_transformers(checkpoint, arch, pipelined, monkeypatch):
+    """Steps scheduled ahead of their inputs (the forward on the device thread) give the same tokens; also when
+    each is launched before the step before it is collected, as on a GPU (``launch_ahead``)."""
     path = checkpoint(arch)
     prompts, params = workload(seed=3)
     engine = make_engine(path, async_scheduling=True, **PRESSURE)
+    ahead = launch_ahead(monkeypatch, engine.runner) if pipelined else None
     got = generate_ids(engine, prompts, params)
     assert engine.async_scheduling and engine.scheduler.num_preemptions > 0
+    if pipelined:
+        assert ahead, "no step was launched ahead of the one before it"
     assert_matches_hf(path, prompts, params, got)
     assert engine.stats()["kv_blocks_used"] == 0
 
