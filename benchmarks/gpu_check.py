@@ -173,7 +173,7 @@ def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int
     idle gap between two steps (``StepGaps``). ``async_scheduling`` None is the engine's default (on, on CUDA)."""
     from engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=max(batch, 8),
+    engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=max(batch, 8),
                        enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                        max_num_batched_tokens=max(8192, batch), attention_backend=args.attention_backend,
                        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=prompt_len + 512)
@@ -213,13 +213,13 @@ def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int
     return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch * timed_steps / seconds, **info}
 
 
-def roofline(batch: int, context: float, num_layers: int, read_bw: float) -> dict[str, float]:
+def roofline(batch: int, context: float, num_layers: int, read_bw: float, itemsize: int = 2) -> dict[str, float]:
     cfg = LLAMA3_8B
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv_dim = cfg["num_key_value_heads"] * cfg["head_dim"]
     per_layer = h * (h + 2 * kv_dim) + h * h + 3 * h * inter  # qkv, o, gate/up/down
-    weight_bytes = 2 * (num_layers * per_layer + 2 * vocab * h)  # + embedding row reads (tiny) and lm_head
-    kv_bytes = 2 * batch * context * num_layers * 2 * kv_dim
+    weight_bytes = itemsize * (num_layers * per_layer + 2 * vocab * h)  # + embedding row reads (tiny) and lm_head
+    kv_bytes = itemsize * batch * context * num_layers * 2 * kv_dim
     step_s = (weight_bytes + kv_bytes) / read_bw
     return {"weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes, "roofline_step_ms": step_s * 1e3,
             "roofline_tokens_per_s": batch / step_s}
@@ -229,7 +229,7 @@ def roofline(batch: int, context: float, num_layers: int, read_bw: float) -> dic
 def same_workload_ours(model_dir: Path, prompts, new_tokens: int, args) -> float:
     from engine import LLMEngine
 
-    engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=len(prompts),
+    engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=len(prompts),
                        max_num_batched_tokens=8192, attention_backend=args.attention_backend,
                        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
     outputs, seconds = timed_greedy_run(engine, prompts, new_tokens)
@@ -262,12 +262,12 @@ def timed_greedy_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple
     return [tokens[i] for i in range(len(prompts))], seconds
 
 
-def hf_model(model_dir: Path):
+def hf_model(model_dir: Path, dtype: str = "bfloat16"):
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return model.eval()
 
 
@@ -332,7 +332,7 @@ def seed_workload_run(model_dir: Path, batching: str, args, async_scheduling: bo
     from engine import LLMEngine, SamplingParams
 
     requests = seed_workload(args.seed_requests, seed=0)
-    engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", batching=batching, block_size=16,
+    engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, batching=batching, block_size=16,
                        async_scheduling=async_scheduling,
                        num_kv_blocks=500, max_num_seqs=8 if batching == "static" else 64,
                        max_num_batched_tokens=2048, attention_backend=args.attention_backend, max_model_len=1024)
@@ -372,7 +372,7 @@ def speculative_runs(model_dir: Path, args, num_requests: int = 4, prompt_len: i
         spec = None if method == "none" else {"method": method}
         if method == "oracle":
             spec["oracle_outputs"] = {tuple(p): tuple(o) for p, o in zip(prompts, plain)}
-        engine = LLMEngine(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=1,
+        engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=1,
                            max_num_batched_tokens=2048, attention_backend=args.attention_backend,
                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048,
                            speculative_config=spec)
@@ -412,6 +412,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "flash_attn", "triton", "torch"))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the model's dtype in every engine section. float32 makes token comparisons (speculative, "
+                             "the seed workload's two loops) exact: in bfloat16 a random-weight model's near-tied logits "
+                             "follow each kernel's rounding")
     parser.add_argument("--kernel-test-timeout", type=int, default=200)
     parser.add_argument("--sections", default="kernels,bandwidth,decode,speculative,transformers,seed",
                         help="comma-separated subset of kernels,bandwidth,decode,speculative,transformers,seed")
@@ -431,7 +435,7 @@ def main(argv=None) -> int:
     sections = set(args.sections.split(","))
     num_layers = 4 if args.quick else LLAMA3_8B["num_hidden_layers"]
     results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": args.quick,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "quick": args.quick, "dtype": args.dtype,
         "num_layers": num_layers, "date": time.strftime("%Y-%m-%d"),
         "_deadline": time.perf_counter() + args.budget_s,
     }
@@ -465,7 +469,8 @@ def main(argv=None) -> int:
                     measured = engine_decode(model_dir, batch, prompt_len, steps, args, enforce_eager=True,
                                              async_scheduling=loop)
                     measured["graphs_error"] = f"{type(error).__name__}: {error}"
-                bound = roofline(batch, prompt_len + 3 + steps / 2, num_layers, read_bw)  # mean context while timed
+                bound = roofline(batch, prompt_len + 3 + steps / 2, num_layers, read_bw,  # mean context while timed
+                                 getattr(torch, args.dtype).itemsize)
                 return {**measured, **bound, "fraction_of_roofline": measured["tokens_per_s"] / bound["roofline_tokens_per_s"]}
             run_section(results, f"decode_b{batch}" + ("_sync" if loop is False else ""), decode)
     if "speculative" in sections:
@@ -489,7 +494,7 @@ def main(argv=None) -> int:
         run_section(results, "same_workload_ours", lambda: same_workload_ours(model_dir, prompts, new, args))
 
         def hf():
-            model = hf_model(model_dir)
+            model = hf_model(model_dir, args.dtype)
             out = {}
             for name, fn in (("generate", hf_generate), ("continuous_batching", hf_continuous_batching)):
                 try:
@@ -514,7 +519,7 @@ def print_summary(results: dict[str, Any]) -> None:  # noqa: C901 (one row per m
         return fmt.format(value / scale) if isinstance(value, (int, float)) else str(value)
 
     rows = [("device", results["device"]), ("torch / triton", f"{results['torch']} / {results['triton']}"),
-            ("layers", results["num_layers"]), ("copy bandwidth (GB/s, read+write)", num(results["copy_bytes_per_s"], 1e9))]
+            ("layers, dtype", f"{results['num_layers']}, {results.get('dtype', 'bfloat16')}"), ("copy bandwidth (GB/s, read+write)", num(results["copy_bytes_per_s"], 1e9))]
     kernels = results.get("kernels")
     if kernels:
         rows.append(("kernel tests", kernels.get("summary", kernels)))

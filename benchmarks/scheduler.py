@@ -7,21 +7,26 @@ every step, do not grow from block to block); each figure is the median over the
 thread's CPU time is shown next to the wall time: on a shared machine the difference is time spent
 waiting for a core.
 
-The stand-in's forward takes ``--device-ms`` of ``time.sleep`` (no GIL held, no core used): what a GPU
-step looks like to the host. Both engine loops run (``--loops``): the synchronous one, where the device
-waits for all the host work of every step, and async scheduling, where the host schedules step N+1 and
-processes step N's outputs while the device computes. For each: wall time per step, and
-``overhead_us_per_step`` = wall minus the time the stand-in's sleeps really took (a sleep overshoots).
-``us_per_step`` is the synchronous loop's overhead: its host time per step.
+The stand-in device (``StandInDevice``) stands in for a GPU: each launched step occupies it for ``--device-ms``
+after the step launched before it, as on a CUDA stream, and the host waits for a step's tokens by sleeping
+(no GIL held, no core used), as it waits for a GPU's. Loops (``--loops``): the synchronous one, where the device
+waits for all the host work of every step; async scheduling, where the host schedules step N+1 and processes
+step N's outputs while the device computes, and the device thread launches N+1 before it collects N; and
+``async-collect-first``, async scheduling with the device thread's order before 2026-12-04 (N collected before
+N+1 is launched), which an H200 showed hid little (docs/benchmarks.md). For each: wall time per step, and
+``overhead_us_per_step`` = wall minus the device's busy time (a sleep's overshoot, where nothing was queued behind
+it, counts as device time). ``us_per_step`` is the synchronous loop's overhead: its host time per step.
 
 What a step costs here is the engine core's side of it (``LLMEngine.core_step``, what the engine's own process
 runs between forwards): scheduling, block bookkeeping, input preparation (the step's ``SchedulerOutput``: token
-ids, positions, block tables) and output processing (the scheduler's update, the step's records of new tokens).
-The runner's own work, turning that batch into arrays and tensors for the attention backend and the model, goes
-with the stand-in. The front end's work on those records (incremental detokenization, stop strings,
-``RequestOutput``s: ``engine.output_processor``) runs in the server's process while the core computes its next
-step; it is timed on its own ("front end" below), and so is the step's report crossing from one process to the
-other.
+ids, positions, block tables) and output processing (the scheduler's update, the step's records of new tokens),
+and with ``--stand-in model`` (the default) the runner's own host work too: arrays and tensors for the attention
+backend and the model, placeholders, the launch, on the thread that computes steps, as on a GPU. ``--stand-in
+runner`` replaces the runner's launch as well (how issue 14's targets were first measured). ``--front-end`` times
+whole ``LLMEngine.step()``s, as ``LLM.generate`` runs them; otherwise the front end's work on the records
+(incremental detokenization, stop strings, ``RequestOutput``s: ``engine.output_processor``), which runs in the
+server's process while the core computes its next step, is timed on its own ("front end" below), and so is the
+step's report crossing from one process to the other.
 
 A second pass times each part by wrapping it (exclusive time: block bookkeeping is taken out of
 scheduling); the wrappers cost a little, so that pass's total is shown next to the plain one.
@@ -53,6 +58,7 @@ from engine.sampling_params import OUTPUT_KINDS
 TARGET_US_PER_STEP = 600.0  # the synchronous loop's host time per step at 256 requests
 TARGET_ASYNC_OVERHEAD_US = 300.0  # what the async loop adds to a device step at 256 requests
 STAND_IN_TOKEN_ID = 72  # demo-tiny's "b": a printable ASCII byte, so every token becomes text as in a real run
+LOOPS = ("sync", "async", "async-collect-first")
 PARTS = ("scheduling", "block bookkeeping", "input preparation", "output processing", "engine loop")
 
 
@@ -333,7 +339,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="time whole LLMEngine.step()s: the front end (text, stop strings, outputs) in the same "
                              "thread, as LLM.generate runs; by default the core's steps, as the engine's process runs")
     parser.add_argument("--loops", default="sync,async",
-                        help="which engine loops to time, comma-separated: sync, async")
+                        help="which engine loops to time, comma-separated: sync, async, and async-collect-first "
+                             "(async scheduling with the device thread's order before 2026-12-04: each step collected "
+                             "before the next is launched, so the device waits for that thread's launch work)")
     parser.add_argument("--no-settle-heap", dest="settle_heap", action="store_false",
                         help="leave the garbage collector as it is (the engine's process freezes the heap built "
                              "before its loop and raises the young generation's threshold: engine_core.settle_heap)")
@@ -348,9 +356,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.device_ms < 0:
         parser.error(f"--device-ms must be >= 0, got {args.device_ms}")
     args.loops = [name.strip() for name in args.loops.split(",") if name.strip()]
-    if not args.loops or set(args.loops) - {"sync", "async"}:
-        parser.error(f"--loops must name sync and/or async, got {','.join(args.loops)!r}")
-    if "async" in args.loops and args.batching == "static":
+    if not args.loops or set(args.loops) - set(LOOPS):
+        parser.error(f"--loops must name some of {', '.join(LOOPS)}, got {','.join(args.loops)!r}")
+    if set(args.loops) - {"sync"} and args.batching == "static":
         parser.error("--loops async needs --batching continuous")
     # Nobody may finish while timed. Prefill is spread over steps (the token budget), so the first requests
     # admitted are that many tokens ahead of the last when everyone holds --decoded-tokens.
@@ -360,14 +368,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def time_loop(args, async_scheduling: bool) -> dict[str, Any]:
+def collect_first(engine) -> None:
+    """The device thread's order before launch-ahead (an A/B baseline): each step collected before the next one is
+    launched, so the device waits for the launch work of every step."""
+    def launch_on_device(batch, sampling, done):
+        engine._collect_on_device()
+        try:
+            step = engine.runner.launch(batch, sampling)
+        except BaseException as error:
+            done.set_exception(error)
+            return
+        engine._uncollected = (step, done)
+        engine._collect_on_device()
+
+    engine._launch_on_device = launch_on_device
+
+
+def time_loop(args, name: str) -> dict[str, Any]:
     """Median microseconds per step of one loop over ``--repeats`` blocks: wall, the host thread's CPU, and the
     overhead (wall minus ``--device-ms``: what the host adds to the device's time)."""
-    engine = build_engine(args, async_scheduling)
+    engine = build_engine(args, name != "sync")
+    if name == "async-collect-first":
+        collect_first(engine)
     if args.settle_heap:
         settle_heap()  # as the engine's own process does before its loop
     blocks, cpu_blocks, overhead_blocks, device_blocks = [], [], [], []
-    name = "async" if async_scheduling else "sync"
     for block in tqdm(range(args.repeats), desc=f"timed blocks, {name}", unit="block", file=sys.stderr, leave=False):
         start_requests(engine, args, block)
         wall, cpu, device = time_steps(engine, args.steps, args.num_requests, args.front_end)
@@ -385,7 +410,7 @@ def time_loop(args, async_scheduling: bool) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    loops = {name: time_loop(args, name == "async") for name in args.loops}
+    loops = {name: time_loop(args, name) for name in args.loops}
     payload: dict[str, Any] = {
         "device_ms": args.device_ms,
         "loops": {name: {k: v for k, v in loop.items() if k != "engine"} for name, loop in loops.items()},

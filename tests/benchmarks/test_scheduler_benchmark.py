@@ -32,12 +32,13 @@ def test_part_timer_takes_inner_parts_out_of_outer_ones():
 def test_a_small_run_reports_both_loops(tmp_path, capsys):
     out = tmp_path / "out.json"
     scheduler.main(["--num-requests", "8", "--steps", "5", "--repeats", "2", "--decoded-tokens", "3",
-                    "--prompt-len", "8", "--device-ms", "2", "--no-settle-heap", "--json", str(out)])
+                    "--prompt-len", "8", "--device-ms", "2", "--no-settle-heap", "--json", str(out),
+                    "--loops", "sync,async,async-collect-first"])
     result = json.loads(out.read_text())
     assert result["us_per_step"] > 0 and len(result["us_per_step_blocks"]) == 2
     assert set(result["breakdown_us_per_step"]) == set(scheduler.PARTS)
     loops = result["loops"]
-    assert set(loops) == {"sync", "async"}
+    assert set(loops) == {"sync", "async", "async-collect-first"}
     for loop in loops.values():
         # the stand-in device was busy most of each step's 2 ms window (it may idle at a block's start and end, and
         # while the host catches up), and the wall time holds it
