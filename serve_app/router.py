@@ -192,7 +192,8 @@ async def _end_of(response) -> dict[str, Any] | None:
 
 class _InboxStream:
     """One attempt's messages as they arrive in the router's inbox (``serve_app.stream_channel``): the stream ends
-    with the message that says the request finished or was refused, or with the error that ends ``_next``."""
+    with the message that says the request finished or was refused, or with the error that ends ``_next``.
+    ``cancel`` (each kind's own) stops the request where it runs."""
 
     inbox: StreamInbox
     route: dict[str, Any]
@@ -206,7 +207,10 @@ class _InboxStream:
             raise StopAsyncIteration
         try:
             message = await self._next()
-        except BaseException:
+        except asyncio.CancelledError:  # the reader left (its client, a deadline) while the request may still run:
+            self.cancel()  # abort it there now; closing the route first would leave ``cancel`` nothing to abort
+            raise
+        except BaseException:  # the stream ended (its replica lost, or refused it): nothing runs there any more
             self.inbox.close(self.route)
             raise
         if "error" in message or message["finished"]:
@@ -215,6 +219,9 @@ class _InboxStream:
         return message
 
     async def _next(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
         raise NotImplementedError
 
 

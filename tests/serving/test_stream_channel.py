@@ -292,6 +292,46 @@ def test_a_request_sent_down_a_link_streams_back_and_an_abort_stops_it_there():
     assert aborted == [key]
 
 
+def test_a_reader_cancelled_while_it_waits_for_the_next_message_still_aborts_the_request_there():
+    """A client gone mid-stream cancels the router's reader wherever it is: often while it waits for the replica's
+    next message (``__anext__``, which closes the stream's route when it fails). The request must still be aborted
+    on the replica, not left generating to its last token with nobody reading."""
+    from serve_app.router import _LinkStream
+
+    class _Busy(_FakeReplica):  # one message, then a long computation before the next
+        async def run(self, connection, key, request) -> None:
+            try:
+                connection.send(key, _chunk("first"))
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.aborted.append(key)
+                raise
+
+    async def main():
+        inbox = await _started_inbox()
+        replica = _Busy("r1", None)
+        link, _ = await _linked(inbox, replica)
+        stream = _LinkStream(link, inbox, {"prompt": "p"})
+        await asyncio.wait_for(stream.__anext__(), 5)
+        reader = asyncio.ensure_future(stream.__anext__())  # waits: the replica sends nothing for a while
+        await asyncio.sleep(0.05)
+        reader.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        stream.cancel()  # what the router's ``_chunks`` does on its way out
+        for _ in range(100):
+            if replica.aborted:
+                break
+            await asyncio.sleep(0.01)
+        aborted = list(replica.aborted)  # before the inbox stops: closing the connection would cancel it anyway
+        await inbox.stop()
+        return aborted, stream.route["key"], len(link.keys)
+
+    aborted, key, left = asyncio.run(main())
+    assert aborted == [key], "the abandoned request was not aborted on the replica"
+    assert left == 0
+
+
 def test_a_link_lost_ends_its_streams_with_stream_lost_and_is_no_longer_routable():
     from serve_app.router import _LinkStream
 
