@@ -131,6 +131,8 @@ class StepGaps:
     scheduling, only what the host could not do while the GPU ran the step before."""
 
     def __init__(self, runner) -> None:
+        from engine.model_runner import recorded_event
+
         self.gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (a step's end, the next one's start)
         self._last_end: torch.cuda.Event | None = None
         launch = runner.launch
@@ -138,7 +140,7 @@ class StepGaps:
 
         def timed_forward(*a, **k):
             if self._last_end is not None:
-                self.gaps.append((self._last_end, self._mark()))
+                self.gaps.append((self._last_end, recorded_event()))
             return forward(*a, **k)
 
         def timed_launch(*a, **k):
@@ -151,12 +153,6 @@ class StepGaps:
             runner.graphs.run = timed_forward
         else:
             runner.model.forward = timed_forward
-
-    @staticmethod
-    def _mark() -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def reset(self) -> None:
         self.gaps = []
@@ -457,9 +453,9 @@ def main(argv=None) -> int:
         run_section(results, "bandwidth", lambda: attention_bandwidth(args, copy_bw))
     if "decode" in sections:
         prompt_len, steps = 512, (8 if args.quick else 32)
-        largest = 8 if args.quick else 256
+        batches = (1, 8) if args.quick else (1, 64, 256)
         # the largest batch once more with the synchronous loop: what async scheduling hides of the host's work
-        for batch, loop in [*((b, None) for b in ((1, 8) if args.quick else (1, 64, 256))), (largest, False)]:
+        for batch, loop in [*((b, None) for b in batches), (batches[-1], False)]:
             def decode(batch=batch, loop=loop):
                 try:
                     measured = engine_decode(model_dir, batch, prompt_len, steps, args, async_scheduling=loop)
@@ -477,17 +473,18 @@ def main(argv=None) -> int:
         run_section(results, "speculative", lambda: speculative_runs(model_dir, args, new_tokens=32 if args.quick
                                                                        else 128))
     if "seed" in sections:
-        for name, batching, loop in (("static", "static", None), ("continuous", "continuous", None),
-                                     ("continuous_sync", "continuous", False)):
+        seed_runs = (("static", "static", None), ("continuous", "continuous", None),
+                     ("continuous_sync", "continuous", False))
+        for name, batching, loop in seed_runs:
             run_section(results, f"seed_{name}",
                         lambda batching=batching, loop=loop: seed_workload_run(model_dir, batching, args, loop))
-        runs = [results.get(f"seed_{name}", {}).get("_tokens") for name in ("static", "continuous", "continuous_sync")]
-        if all(runs):  # greedy tokens: the two loops (async and synchronous) and static batching, request by request
+        # each run's greedy tokens, out of the results: the two loops (async and synchronous) and static batching,
+        # request by request
+        static, cont, cont_sync = (results.get(f"seed_{name}", {}).pop("_tokens", None) for name, _, _ in seed_runs)
+        if static and cont and cont_sync:
             results["seed_same_tokens"] = {
-                "async_vs_sync": sum(a == b for a, b in zip(runs[1], runs[2])),
-                "continuous_vs_static": sum(a == b for a, b in zip(runs[1], runs[0])), "requests": len(runs[0])}
-        for name in ("static", "continuous", "continuous_sync"):
-            results.get(f"seed_{name}", {}).pop("_tokens", None)
+                "async_vs_sync": sum(a == b for a, b in zip(cont, cont_sync)),
+                "continuous_vs_static": sum(a == b for a, b in zip(cont, static)), "requests": len(static)}
     if "transformers" in sections:  # last: the slowest and least predictable
         num, new = (8, 16) if args.quick else (64, 64)
         prompts = random_prompts(num, 512, seed=1)

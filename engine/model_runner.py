@@ -262,7 +262,7 @@ class ModelRunner:
         plain greedy: then they stay on the device until ``collect``, and the next launch may come first."""
         started = time.perf_counter()
         cuda = self.device.type == "cuda"
-        start_event = _recorded_event() if cuda else None
+        start_event = recorded_event() if cuda else None
         if batch.swap_out or batch.swap_in:
             self.copy_blocks(batch.swap_out, batch.swap_in)
         if batch.ended_ids:
@@ -300,7 +300,7 @@ class ModelRunner:
             output.prompt_outputs = self._prompt_outputs(hidden, batch.input_token_ids, batch.query_lens,
                                                          batch.prompt_rows)
         if cuda:
-            step.ready = _recorded_event()
+            step.ready = recorded_event()
         self._last_launched = step
         step.launch_seconds = time.perf_counter() - started
         return step
@@ -462,7 +462,8 @@ class ModelRunner:
         return StepArrays(positions, seq_lens, tables, slots, logits_index, all_decode=bool((query_lens == 1).all()))
 
 
-def _recorded_event() -> torch.cuda.Event:
+def recorded_event() -> torch.cuda.Event:
+    """A timing CUDA event recorded now on the current stream."""
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
