@@ -8,7 +8,9 @@
 No new dependency and no torch headers: each kernel is a plain ``extern "C"`` function over raw
 pointers (``kernels/csrc/*.cpp``), compiled with ``-O3 -march=native -fopenmp`` into a shared library
 cached under ``$INFLIGHT_KERNEL_CACHE`` (default ``~/.cache/inflight/kernels``), keyed by the source,
-the flags and the CPU, so it is built once per machine (about a second). OpenMP resolves to the
+the flags and the CPU, so it is built once per machine (about a second). The kernels work on vectors of the
+machine's widest float register (16 lanes with AVX-512, else 8); ``INFLIGHT_CPU_KERNEL_LANES=8`` or ``16`` builds
+the other width, which the tests use to run both on any machine. OpenMP resolves to the
 libgomp torch has already loaded, so the kernels share torch's thread pool. ctypes releases the GIL
 for the call.
 
@@ -49,17 +51,26 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
+def _flags() -> list[str]:
+    lanes = os.environ.get("INFLIGHT_CPU_KERNEL_LANES")
+    if lanes is None:
+        return FLAGS
+    if lanes not in ("8", "16"):
+        raise ValueError(f"INFLIGHT_CPU_KERNEL_LANES must be 8 or 16, got {lanes!r}")
+    return [*FLAGS, f"-DINFLIGHT_LANES={lanes}"]
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("INFLIGHT_KERNEL_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "inflight" / "kernels"
 
 
-def _build(compiler: str, library: Path) -> None:
+def _build(compiler: str, flags: list[str], library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     # Written beside its final name, then renamed: concurrent builders never load a half-written file.
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         out = Path(tmp) / library.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
         os.replace(out, library)
 
 
@@ -72,11 +83,12 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C++ compiler found: CPU attention stays on the PyTorch path (slower decode)")
         return None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()
+    flags = _flags()
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *flags, _cpu_signature()]).encode()).hexdigest()
     library = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     try:
         if not library.exists():
-            _build(compiler, library)
+            _build(compiler, flags, library)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)

@@ -11,7 +11,7 @@
 // Per task: scores of the group's query heads against every visible key (pass 1), a softmax per head
 // (pass 2), then the weighted sum of V (pass 3). Built with -O3 -march=native; where GCC's own vectorisation
 // fell short (accumulators kept in memory, loops inlined into OpenMP bodies left scalar) the code is written on
-// GCC's vector types (vec16 below), which any target lowers to its widest registers. Tasks split over OpenMP
+// GCC's vector types (vecf below), which any target lowers to its widest registers. Tasks split over OpenMP
 // threads (the process's libgomp: torch's, already loaded).
 
 #include <algorithm>
@@ -20,29 +20,42 @@
 #include <cstring>
 #include <vector>
 
-// 16 floats as one value of GCC's vector extension: a zmm register with AVX-512, two ymm with AVX2. Written as
-// locals, a tile's accumulators stay in registers; as the plain float arrays this kernel had, GCC kept them
-// in memory and loaded and stored them around every FMA (the causal kernel: 3.2 ms a layer for 425 tokens x 8
-// heads x 32 on the Sapphire Rapids VM, against 1.4 ms now). Unaligned loads and stores through memcpy.
-typedef float vec16 __attribute__((vector_size(64)));
-typedef int ivec16 __attribute__((vector_size(64)));
-static inline vec16 load16(const float* p) { vec16 v; std::memcpy(&v, p, sizeof(v)); return v; }
-static inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+// VL floats as one value of GCC's vector extension, VL the target's widest float register: 16 (a zmm) with
+// AVX-512, else 8 (a ymm with AVX2; two xmm without). Written as locals, a tile's accumulators stay in registers;
+// as the plain float arrays this kernel had, GCC kept them in memory and loaded and stored them around every FMA
+// (the causal kernel: 3.2 ms a layer for 425 tokens x 8 heads x 32 on a Sapphire Rapids VM, against 1.4 ms on
+// vectors). The width must be the register's: 16 lanes on an AVX2 machine (two ymm per value, half the register
+// file per array of them) spilled every accumulator and ran the decode kernel 4x and the causal kernel 7x slower
+// than plain loops (a Zen 3 VM, 2026-12-04). Unaligned loads and stores through memcpy.
+// INFLIGHT_LANES (kernels/cpu_kernels.py's INFLIGHT_CPU_KERNEL_LANES) sets the width by hand: the tests build
+// both widths, so the AVX-512 code runs, slowly, on a machine without it.
+#if !defined(INFLIGHT_LANES)
+#if defined(__AVX512F__)
+#define INFLIGHT_LANES 16
+#else
+#define INFLIGHT_LANES 8
+#endif
+#endif
+constexpr int VL = INFLIGHT_LANES;
+typedef float vecf __attribute__((vector_size(VL * 4)));
+typedef int veci __attribute__((vector_size(VL * 4)));
+static inline vecf loadv(const float* p) { vecf v; std::memcpy(&v, p, sizeof(v)); return v; }
+static inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
 
 // exp(x) in a form the compiler vectorises (std::exp is a scalar call): Cephes' expf, 2^n * exp(r) with
 // |r| <= ln(2)/2 and a degree-6 polynomial, within 2 ulp of expf. Inputs below -87 give exp(-87)
 // (~1.6e-38) instead of a smaller number: a weight nobody can tell from zero next to exp(0) = 1. One body for a
-// float (loops the compiler vectorises) and for 16 lanes (loops written on vectors): the same operations in the
+// float (loops the compiler vectorises) and for VL lanes (loops written on vectors): the same operations in the
 // same order, only the clamp, the floor (on lanes: truncation, then one down where that rounded up) and 2^n differ.
 static inline float exp_clamp(float x) { return x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); }
-static inline vec16 exp_clamp(vec16 x) {
-    const vec16 zero = {};
+static inline vecf exp_clamp(vecf x) {
+    const vecf zero = {};
     x = x < -87.0f ? zero - 87.0f : x;
     return x > 88.0f ? zero + 88.0f : x;
 }
 static inline float floor_of(float t) { return __builtin_floorf(t); }
-static inline vec16 floor_of(vec16 t) {
-    const vec16 n = __builtin_convertvector(__builtin_convertvector(t, ivec16), vec16);
+static inline vecf floor_of(vecf t) {
+    const vecf n = __builtin_convertvector(__builtin_convertvector(t, veci), vecf);
     return n > t ? n - 1.0f : n;
 }
 static inline float pow2(float n) {
@@ -51,9 +64,9 @@ static inline float pow2(float n) {
     std::memcpy(&scale, &bits, sizeof(scale));
     return scale;
 }
-static inline vec16 pow2(vec16 n) {
-    const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
-    vec16 scale;
+static inline vecf pow2(vecf n) {
+    const veci bits = (__builtin_convertvector(n, veci) + 127) << 23;
+    vecf scale;
     std::memcpy(&scale, &bits, sizeof(scale));
     return scale;
 }
@@ -84,13 +97,13 @@ static inline void prefetch_block(const float* block, int64_t num_floats) {
 static inline float max_of(const float* s, int64_t n) {
     float best = s[0];
     int64_t j = 0;
-    if (n >= 16) {
-        vec16 m = load16(s);
-        for (j = 16; j + 16 <= n; j += 16) {
-            const vec16 v = load16(s + j);
+    if (n >= VL) {
+        vecf m = loadv(s);
+        for (j = VL; j + VL <= n; j += VL) {
+            const vecf v = loadv(s + j);
             m = ((v > m) | (m != m)) ? v : m;
         }
-        for (int64_t i = 0; i < 16; ++i) best = m[i] > best ? m[i] : best;
+        for (int64_t i = 0; i < VL; ++i) best = m[i] > best ? m[i] : best;
     }
     for (; j < n; ++j) best = s[j] > best ? s[j] : best;
     return best;
@@ -99,15 +112,15 @@ static inline float max_of(const float* s, int64_t n) {
 // s[j] <- exp(s[j] - max(s)) for j < n; returns their sum: a softmax before its division.
 static inline float exp_in_place(float* __restrict s, int64_t n) {
     const float m = max_of(s, n);
-    vec16 sums = {};  // on lanes: an omp simd loop kept its reduction's lanes in memory (0.75 of the causal kernel's
+    vecf sums = {};  // on lanes: an omp simd loop kept its reduction's lanes in memory (0.75 of the causal kernel's
     int64_t j = 0;    // 1.4 ms for 425 tokens x 8 heads went to its softmax; ~0.6 after)
-    for (; j + 16 <= n; j += 16) {
-        const vec16 e = exp_approx(load16(s + j) - m);
-        store16(s + j, e);
+    for (; j + VL <= n; j += VL) {
+        const vecf e = exp_approx(loadv(s + j) - m);
+        storev(s + j, e);
         sums += e;
     }
     float sum = 0.f;
-    for (int i = 0; i < 16; ++i) sum += sums[i];
+    for (int i = 0; i < VL; ++i) sum += sums[i];
     for (; j < n; ++j) {
         s[j] = exp_approx(s[j] - m);
         sum += s[j];
@@ -115,67 +128,87 @@ static inline float exp_in_place(float* __restrict s, int64_t n) {
     return sum;
 }
 
-// The sums of 16 vectors, as one vector (lane j: the sum of v[j]'s lanes): pairs of vectors folded into one
-// of half-length partial sums, four times. 15 shuffle pairs and adds for 16 dot products, where one horizontal
-// sum per dot product costs about as many each.
-static inline vec16 fold(vec16 a, vec16 b, ivec16 lo, ivec16 hi) {
+// The sums of VL vectors, as one vector (lane j: the sum of v[j]'s lanes): pairs of vectors folded into one
+// of half-length partial sums, log2(VL) times. VL - 1 shuffle pairs and adds for VL dot products, where one
+// horizontal sum per dot product costs about as many each. Fold k keeps, from each pair, lanes in runs of
+// VL >> (k + 1): lo the first run of each two, hi the second; each level halves the number of vectors.
+static inline vecf fold(vecf a, vecf b, veci lo, veci hi) {
     return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
 }
-static inline vec16 sum_each(const vec16* v) {
-    const ivec16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const ivec16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const ivec16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const ivec16 hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const ivec16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const ivec16 hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const ivec16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const ivec16 hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    vec16 w[8], x[4], y[2];
-    for (int i = 0; i < 8; ++i) w[i] = fold(v[2 * i], v[2 * i + 1], lo1, hi1);
-    for (int i = 0; i < 4; ++i) x[i] = fold(w[2 * i], w[2 * i + 1], lo2, hi2);
-    for (int i = 0; i < 2; ++i) y[i] = fold(x[2 * i], x[2 * i + 1], lo3, hi3);
-    return fold(y[0], y[1], lo4, hi4);
+#if INFLIGHT_LANES == 16
+constexpr int FOLDS = 4;
+static const veci FOLD_LO[FOLDS] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                                    {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                                    {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                                    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+#elif INFLIGHT_LANES == 8
+constexpr int FOLDS = 3;
+static const veci FOLD_LO[FOLDS] = {{0, 1, 2, 3, 8, 9, 10, 11},
+                                    {0, 1, 4, 5, 8, 9, 12, 13},
+                                    {0, 2, 4, 6, 8, 10, 12, 14}};
+#else
+#error "INFLIGHT_LANES must be 8 or 16"
+#endif
+static_assert(1 << FOLDS == VL, "one fold per halving");
+static inline __attribute__((always_inline)) vecf sum_each(const vecf* v) {
+    vecf level[VL];
+    for (int i = 0; i < VL; ++i) level[i] = v[i];
+    int count = VL;
+#pragma GCC unroll 4
+    for (int k = 0; k < FOLDS; ++k) {
+        const veci lo = FOLD_LO[k];
+        const veci hi = lo + (VL >> (k + 1));  // the run after each kept one
+        count /= 2;
+#pragma GCC unroll 8
+        for (int i = 0; i < count; ++i) level[i] = fold(level[2 * i], level[2 * i + 1], lo, hi);
+    }
+    return level[0];
 }
 
 // One (row, kv head) task: the group's query heads against the row's visible keys, in three passes: the scores
-// (16 keys' dot products summed together by sum_each), a softmax per query head, the weighted sum of V (a block
-// at a time, each query head's accumulators in registers). head_dim is a multiple of 16: HEAD_DIM / 16 vectors
+// (VL keys' dot products summed together by sum_each), a softmax per query head, the weighted sum of V (a block
+// at a time, each query head's accumulators in registers). head_dim is a multiple of 16: HEAD_DIM / VL vectors
 // per key, HEAD_DIM a compile-time constant for the common sizes and 0 for the runtime ``head_dim`` (at most
-// 256). ``scores`` holds group * seq_len floats, ``acc`` group * head_dim. As plain loops (dot products summed
-// one key at a time, accumulators in memory) it took 0.58 ms for 14 rows x 500 tokens against 0.44 now.
+// 256). ``scores`` holds group * seq_len floats, ``acc`` group * head_dim. 14 rows x 500 tokens (8 heads of 32, 4 kv
+// heads): 0.58 ms as plain loops (dot products summed one key at a time, accumulators in memory) against 0.44 on
+// vectors on the Sapphire Rapids VM; 0.26 against 0.20 on the Zen 3 VM.
 template <int HEAD_DIM>
 static void decode_task(const float* __restrict query, const float* __restrict k_head,
                         const float* __restrict v_head, const int64_t* __restrict table, int64_t seq_len,
                         float* __restrict out, int64_t group, int64_t runtime_head_dim, int64_t block_size,
                         float scale, float* __restrict scores, float* __restrict acc) {
-    static_assert(HEAD_DIM % 16 == 0, "whole vectors per key");
+    static_assert(HEAD_DIM % 16 == 0 && 16 % VL == 0, "whole vectors per key");
     const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
-    const int V = static_cast<int>(head_dim / 16);
-    constexpr int V_MAX = HEAD_DIM > 0 ? HEAD_DIM / 16 : 16;
+    const int V = static_cast<int>(head_dim / VL);
+    constexpr int V_MAX = (HEAD_DIM > 0 ? HEAD_DIM : 256) / VL;
     const int64_t block_floats = block_size * head_dim;
-    // pass 1: scores[g, t] = q_g . k_t
-    for (int64_t g = 0; g < group; ++g) {
-        vec16 q[V_MAX];
-        for (int c = 0; c < V; ++c) q[c] = load16(query + g * head_dim + c * 16) * scale;
-        for (int64_t first = 0; first < seq_len; first += block_size) {
-            const float* __restrict k = k_head + table[first / block_size] * block_floats;
-            const int64_t n = std::min(block_size, seq_len - first);
-            if (g == 0 && first + block_size < seq_len)
-                prefetch_block(k_head + table[first / block_size + 1] * block_floats, block_floats);
-            for (int64_t j0 = 0; j0 < n; j0 += 16) {
-                const int64_t keys = std::min<int64_t>(16, n - j0);
-                vec16 prod[16];
-                for (int64_t j = 0; j < 16; ++j) {
-                    vec16 p = {};
+    // pass 1: scores[g, t] = q_g . k_t, VL keys at a time for every query head of the group, so each key is read
+    // from memory once (from L1 for the group's other heads): with the heads outside the walk, a group of 2 read
+    // the cache twice and took 2.6x as long on a Zen 3 VM with slow scattered reads. Until pass 3, ``acc`` holds
+    // the scaled queries.
+    float* __restrict q_scaled = acc;
+    for (int64_t i = 0; i < group * head_dim; ++i) q_scaled[i] = query[i] * scale;
+    for (int64_t first = 0; first < seq_len; first += block_size) {
+        const float* __restrict k = k_head + table[first / block_size] * block_floats;
+        const int64_t n = std::min(block_size, seq_len - first);
+        if (first + block_size < seq_len) prefetch_block(k_head + table[first / block_size + 1] * block_floats, block_floats);
+        for (int64_t j0 = 0; j0 < n; j0 += VL) {
+            const int64_t keys = std::min<int64_t>(VL, n - j0);
+            for (int64_t g = 0; g < group; ++g) {
+                vecf q[V_MAX];
+                for (int c = 0; c < V; ++c) q[c] = loadv(q_scaled + g * head_dim + c * VL);
+                vecf prod[VL];
+                for (int64_t j = 0; j < VL; ++j) {
+                    vecf p = {};
                     if (j < keys) {
                         const float* kj = k + (j0 + j) * head_dim;
-                        for (int c = 0; c < V; ++c) p += q[c] * load16(kj + c * 16);
+                        for (int c = 0; c < V; ++c) p += q[c] * loadv(kj + c * VL);
                     }
                     prod[j] = p;
                 }
-                const vec16 dots = sum_each(prod);
+                const vecf dots = sum_each(prod);
                 float* dst = scores + g * seq_len + first + j0;
-                if (keys == 16) store16(dst, dots);
+                if (keys == VL) storev(dst, dots);
                 else for (int64_t j = 0; j < keys; ++j) dst[j] = dots[j];
             }
         }
@@ -191,15 +224,15 @@ static void decode_task(const float* __restrict query, const float* __restrict k
         if (first + block_size < seq_len) prefetch_block(v_head + table[first / block_size + 1] * block_floats, block_floats);
         for (int64_t g = 0; g < group; ++g) {
             const float* __restrict p = scores + g * seq_len + first;
-            vec16 a[V_MAX];
-            for (int c = 0; c < V; ++c) a[c] = load16(acc + g * head_dim + c * 16);
+            vecf a[V_MAX];
+            for (int c = 0; c < V; ++c) a[c] = loadv(acc + g * head_dim + c * VL);
             for (int64_t j = 0; j < n; ++j)
-                for (int c = 0; c < V; ++c) a[c] += p[j] * load16(v + j * head_dim + c * 16);
-            for (int c = 0; c < V; ++c) store16(acc + g * head_dim + c * 16, a[c]);
+                for (int c = 0; c < V; ++c) a[c] += p[j] * loadv(v + j * head_dim + c * VL);
+            for (int c = 0; c < V; ++c) storev(acc + g * head_dim + c * VL, a[c]);
         }
     }
     for (int64_t g = 0; g < group; ++g)
-        for (int c = 0; c < V; ++c) store16(out + g * head_dim + c * 16, load16(acc + g * head_dim + c * 16) * inv_sum[g]);
+        for (int c = 0; c < V; ++c) storev(out + g * head_dim + c * VL, loadv(acc + g * head_dim + c * VL) * inv_sum[g]);
 }
 
 // Parallel only when there is enough work: a parallel region costs more than a small pass.
@@ -210,19 +243,22 @@ static inline bool worth_threads(int64_t elements) { return elements >= (1 << 15
 // torch's fused CPU SDPA runs ~21 GFLOP/s here at head_dim 32 (4.4 ms a layer for 425 tokens and 8 heads on
 // the benchmark machine): its tiles suit larger heads. This kernel keeps each kv head's keys transposed
 // ([head_dim, keys], built once per call) so a score tile is an outer-product sweep: for each of head_dim
-// steps, CAUSAL_ROWS query values broadcast against 16 consecutive keys (one vector), no horizontal sums.
+// steps, CAUSAL_ROWS query values broadcast against KEY_VEC consecutive keys (one vector), no horizontal sums.
 // Then an exact softmax per row over its visible keys, then the weighted sum of V with CAUSAL_ROWS rows of
 // accumulators. A task is one query head and one tile of rows; tiles of later rows see more keys, so tasks
 // are handed out dynamically.
 constexpr int64_t CAUSAL_ROWS = 8;
-constexpr int64_t KEY_VEC = 16;
+constexpr int64_t KEY_VEC = VL;
+// The V pass sweeps COL_VECS vectors of columns per row at a time: 2 x 8 rows = 16 of AVX-512's 32 registers;
+// with 16 registers (AVX2) one per row, or the accumulators spill.
+constexpr int COL_VECS = VL == 16 ? 2 : 1;
 
 template <int HEAD_DIM>
 static void causal_tile(const float* __restrict query, const float* __restrict kt, const float* __restrict value,
                         float* __restrict out, int64_t first_row, int64_t num_rows, int64_t head, int64_t kv_head,
                         int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t keys_stride,
                         float scale, float* __restrict scores) {
-    static_assert(HEAD_DIM % (2 * KEY_VEC) == 0, "head_dim in whole pairs of vectors");
+    static_assert(HEAD_DIM % 32 == 0 && 32 % (COL_VECS * KEY_VEC) == 0, "head_dim in whole sweeps of columns");
     const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
     const int64_t num_keys = first_row + num_rows;  // the tile's last row sees keys 0 .. first_row + num_rows - 1
     const int64_t padded_keys = (num_keys + KEY_VEC - 1) / KEY_VEC * KEY_VEC;
@@ -230,16 +266,16 @@ static void causal_tile(const float* __restrict query, const float* __restrict k
     for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
         for (int64_t d = 0; d < head_dim; ++d)
             q[r][d] = r < num_rows ? query[((first_row + r) * num_heads + head) * head_dim + d] * scale : 0.f;
-    // scores[r, j] = q_r . k_j, 16 keys at a time (kt is zero past the last key, so the tail is harmless)
+    // scores[r, j] = q_r . k_j, KEY_VEC keys at a time (kt is zero past the last key, so the tail is harmless)
     for (int64_t j0 = 0; j0 < padded_keys; j0 += KEY_VEC) {
-        vec16 acc[CAUSAL_ROWS] = {};
+        vecf acc[CAUSAL_ROWS] = {};
         for (int64_t d = 0; d < head_dim; ++d) {
-            const vec16 k = load16(kt + d * keys_stride + j0);
+            const vecf k = loadv(kt + d * keys_stride + j0);
 #pragma GCC unroll 8
             for (int64_t r = 0; r < CAUSAL_ROWS; ++r) acc[r] += q[r][d] * k;
         }
 #pragma GCC unroll 8
-        for (int64_t r = 0; r < CAUSAL_ROWS; ++r) store16(scores + r * padded_keys + j0, acc[r]);
+        for (int64_t r = 0; r < CAUSAL_ROWS; ++r) storev(scores + r * padded_keys + j0, acc[r]);
     }
     float inv_sum[CAUSAL_ROWS];
     for (int64_t r = 0; r < num_rows; ++r) {  // an exact softmax over the keys row r sees: 0 .. first_row + r
@@ -252,38 +288,38 @@ static void causal_tile(const float* __restrict query, const float* __restrict k
         std::fill_n(scores + r * padded_keys, num_keys, 0.f);
         inv_sum[r] = 0.f;
     }
-    // out_r = sum_j p[r, j] v_j, 32 columns at a time: each V row read once per column pair for the tile's rows
+    // out_r = sum_j p[r, j] v_j, COL_VECS vectors of columns at a time: each V row read once per sweep for the
+    // tile's rows
     const int64_t v_stride = num_kv_heads * head_dim;
     const float* v_head = value + kv_head * head_dim;
-    for (int64_t c0 = 0; c0 < head_dim; c0 += 2 * KEY_VEC) {
-        vec16 lo[CAUSAL_ROWS] = {}, hi[CAUSAL_ROWS] = {};
+    for (int64_t c0 = 0; c0 < head_dim; c0 += COL_VECS * KEY_VEC) {
+        vecf a[CAUSAL_ROWS][COL_VECS] = {};
         for (int64_t j = 0; j <= first_row; ++j) {  // keys every row of the tile sees
-            const vec16 v_lo = load16(v_head + j * v_stride + c0), v_hi = load16(v_head + j * v_stride + c0 + KEY_VEC);
+            vecf v[COL_VECS];
+            for (int c = 0; c < COL_VECS; ++c) v[c] = loadv(v_head + j * v_stride + c0 + c * KEY_VEC);
 #pragma GCC unroll 8
             for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
                 const float p = scores[r * padded_keys + j];
-                lo[r] += p * v_lo;
-                hi[r] += p * v_hi;
+                for (int c = 0; c < COL_VECS; ++c) a[r][c] += p * v[c];
             }
         }
         // The tile's own later keys, each only for the rows that see it: a weight of zero would still carry a
         // later token's inf or NaN into an earlier row (0 * inf), and attention must not look ahead even then.
         for (int64_t j = first_row + 1; j < num_keys; ++j) {
-            const vec16 v_lo = load16(v_head + j * v_stride + c0), v_hi = load16(v_head + j * v_stride + c0 + KEY_VEC);
+            vecf v[COL_VECS];
+            for (int c = 0; c < COL_VECS; ++c) v[c] = loadv(v_head + j * v_stride + c0 + c * KEY_VEC);
 #pragma GCC unroll 8
             for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
                 if (r < j - first_row || r >= num_rows) continue;
                 const float p = scores[r * padded_keys + j];
-                lo[r] += p * v_lo;
-                hi[r] += p * v_hi;
+                for (int c = 0; c < COL_VECS; ++c) a[r][c] += p * v[c];
             }
         }
 #pragma GCC unroll 8
         for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
             if (r >= num_rows) continue;
             float* __restrict dst = out + ((first_row + r) * num_heads + head) * head_dim + c0;
-            store16(dst, lo[r] * inv_sum[r]);
-            store16(dst + KEY_VEC, hi[r] * inv_sum[r]);
+            for (int c = 0; c < COL_VECS; ++c) storev(dst + c * KEY_VEC, a[r][c] * inv_sum[r]);
         }
     }
 }
@@ -295,7 +331,7 @@ extern "C" {
 // sizes return without writing); num_heads a multiple of num_kv_heads.
 void causal_attention_f32(const float* query, const float* key, const float* value, float* out, int64_t num_tokens,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
-    if (num_tokens <= 0 || head_dim <= 0 || head_dim > 256 || head_dim % (2 * KEY_VEC) != 0) return;
+    if (num_tokens <= 0 || head_dim <= 0 || head_dim > 256 || head_dim % 32 != 0) return;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t keys_stride = (num_tokens + KEY_VEC - 1) / KEY_VEC * KEY_VEC;
     std::vector<float> kt(num_kv_heads * head_dim * keys_stride, 0.f);  // [kv head, head_dim, keys], zero tail

@@ -113,10 +113,33 @@ def kernel_decode(query, ctx, scale):
 # ---- decode attention ---------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", params=["8", "16"])
+def lanes(request):
+    """The attention kernels built for vectors of 8 lanes (AVX2's registers) and of 16 (AVX-512's), whatever this
+    machine has: each width is its own code (key tiles, folds, sweeps of columns), and CI may run on either."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("INFLIGHT_CPU_KERNEL_LANES", request.param)
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is not None
+        yield int(request.param)
+    cpu_kernels.load.cache_clear()
+
+
+def test_the_lanes_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("INFLIGHT_CPU_KERNEL_LANES", "12")
+    cpu_kernels.load.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="INFLIGHT_CPU_KERNEL_LANES must be 8 or 16"):
+            cpu_kernels.load()
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.load.cache_clear()
+
+
 @pytest.mark.parametrize("bs", [1, 16, 32])
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])  # 48: the kernel's runtime head size
 @pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1])
-def test_decode_kernel_matches_torch_decode_and_dense(num_kv_heads, head_dim, bs):
+def test_decode_kernel_matches_torch_decode_and_dense(num_kv_heads, head_dim, bs, lanes):
     seed = num_kv_heads * 1000 + head_dim * 10 + bs
     ctx = PagedContext(decode_seq_lens(bs), num_kv_heads, head_dim, bs, seed)
     ctx.write_all()
@@ -132,7 +155,7 @@ def test_decode_kernel_matches_torch_decode_and_dense(num_kv_heads, head_dim, bs
     assert torch.equal(ctx.k_cache, k_before) and torch.equal(ctx.v_cache, v_before)  # read only
 
 
-def test_decode_kernel_never_reads_past_a_row_length():
+def test_decode_kernel_never_reads_past_a_row_length(lanes):
     """Slots past each row's length (its last block's tail, the padding columns' block 0, spare blocks)
     hold NaN: the kernel's output must still equal the dense attention, finite."""
     ctx = PagedContext(decode_seq_lens(16), 2, 64, 16, seed=7)
@@ -250,7 +273,7 @@ def test_backend_matches_torch_backend_on_a_mixed_batch(num_kv_heads, bs):
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 8, 9, 33, 300])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 8, 32), (8, 2, 64), (4, 1, 96), (2, 2, 128)])
-def test_causal_attention_matches_dense_attention(num_tokens, num_heads, num_kv_heads, head_dim):
+def test_causal_attention_matches_dense_attention(num_tokens, num_heads, num_kv_heads, head_dim, lanes):
     """A fresh prompt's self-attention (tiles of 8 rows, keys 16 at a time: lengths around and across both),
     against float64 SDPA with the same grouping of query heads."""
     seed = num_tokens * 7 + head_dim
@@ -276,7 +299,7 @@ def test_backend_sends_other_head_sizes_to_torch(head_dim, kind):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
 
 
-def test_causal_attention_reads_no_token_after_a_row():
+def test_causal_attention_reads_no_token_after_a_row(lanes):
     """Row t's output depends on tokens 0..t only: poisoning every later token's key and value changes nothing
     before it."""
     query, key, value = randn(40, 4, 32, seed=1), randn(40, 4, 32, seed=2), randn(40, 4, 32, seed=3)
