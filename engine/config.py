@@ -63,6 +63,12 @@ class EngineConfig:
     persistent_batch: bool = True
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
+    # CPU, more than one thread: a step of at most this many tokens (a decode of a few rows) runs on one thread.
+    # Such a step gains little from a second thread, and where the serving processes share the cores (a server's
+    # router and replica handle every token a step makes) its other threads wait for a core at every op: one
+    # served stream's time per token went from 3.4-3.5 ms on one pinned thread to 4.7 ms on two. 0: every step
+    # runs on all of them.
+    one_thread_max_tokens: int = 0
     # Requests that generate nothing (prompt scoring with max_tokens=0, embeddings) take the prefill lane
     # (engine/prefill_lane.py): static batches of whole prompts, formed in arrival order up to these limits
     # (a longer prompt runs alone), one per engine step, computed without the KV cache. Off: they go
@@ -150,6 +156,9 @@ class EngineConfig:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise bad("num_threads", "must be a positive integer or None")
+        if not isinstance(self.one_thread_max_tokens, int) or isinstance(self.one_thread_max_tokens, bool) \
+                or self.one_thread_max_tokens < 0:
+            raise bad("one_thread_max_tokens", "must be a non-negative integer")
         if not isinstance(self.prefill_lane, bool):
             raise bad("prefill_lane", "must be true or false")
         for name in ("max_prefill_batch_tokens", "max_prefill_batch_size"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 
@@ -123,8 +124,13 @@ class ModelRunner:
         self.shared = shared
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, source.config.torch_dtype, self.device)
-        if config.num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        self._threads = None  # (thread, count) the last step ran on, where steps may change the count
+        if self.device.type == "cpu":
+            if config.num_threads is not None:
+                torch.set_num_threads(config.num_threads)
+            if config.one_thread_max_tokens > 0:
+                self._all = torch.get_num_threads()
+                self._threads = (None, self._all)
         self.backend = get_attention_backend(config.attention_backend, self.device, self.dtype)
         multiple = self.backend.block_size_multiple
         if config.block_size % multiple:
@@ -267,6 +273,8 @@ class ModelRunner:
             self.copy_blocks(batch.swap_out, batch.swap_in)
         if batch.ended_ids:
             self.sampler.forget(batch.ended_ids)
+        if self._threads is not None:
+            self._use_threads(len(batch.input_token_ids))
         arrays = self._prepare(batch)
         logits_index = torch.from_numpy(arrays.logits_index).to(self.device, non_blocking=True)
         input_ids = self._input_ids(batch)
@@ -304,6 +312,15 @@ class ModelRunner:
         self._last_launched = step
         step.launch_seconds = time.perf_counter() - started
         return step
+
+    def _use_threads(self, num_tokens: int) -> None:
+        """One thread for a step of at most ``one_thread_max_tokens`` tokens, else the configured count. Set on the
+        thread that runs the forward (OpenMP's count is per calling thread); a change costs about a microsecond."""
+        wanted = (threading.get_ident(),
+                  1 if num_tokens <= self.config.one_thread_max_tokens else (self.config.num_threads or self._all))
+        if wanted != self._threads:
+            torch.set_num_threads(wanted[1])
+            self._threads = wanted
 
     @staticmethod
     def collect(step: LaunchedStep) -> RunnerOutput:

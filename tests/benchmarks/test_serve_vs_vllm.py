@@ -26,12 +26,14 @@ def test_all_cpus_computes_with_more_threads_and_lets_ray_share_every_cpu():
     args = AppConfig.model_validate(config["applications"][0]["args"])
     assert args.model == str(CHECKPOINT)
     assert args.engine_args["num_threads"] == 3 and args.engine_cpus is None
+    assert args.engine_args["one_thread_max_tokens"] == serve_vs_vllm.ONE_THREAD_MAX_TOKENS  # few streams: one
     assert serving_cpus(config, {0, 1, 2}) is None  # no CPU of the engine's own: Ray is not pinned away from it
     # everything else is the written config's
     written = yaml.safe_load(serve_vs_vllm.bench_config(CHECKPOINT))
     del written["applications"][0]["args"]["engine_cpus"]
     for each in (written, config):
         del each["applications"][0]["args"]["engine_args"]["num_threads"]
+    del config["applications"][0]["args"]["engine_args"]["one_thread_max_tokens"]
     assert config == written
 
 

@@ -115,7 +115,8 @@ def test_unknown_engine_argument_is_named():
 @pytest.mark.parametrize("name,value", [
     ("block_size", 3), ("block_size", 0), ("max_num_seqs", 0), ("batching", "x"), ("dtype", "int8"),
     ("device", "tpu"), ("num_kv_blocks", 0), ("max_num_batched_tokens", 2), ("gpu_memory_utilization", 0.0),
-    ("max_model_len", 0), ("attention_backend", "nope"),
+    ("max_model_len", 0), ("attention_backend", "nope"), ("one_thread_max_tokens", -1),
+    ("one_thread_max_tokens", 1.5), ("one_thread_max_tokens", True),
 ])
 def test_bad_engine_values_are_named(name, value):
     with pytest.raises(ValueError, match=name):
