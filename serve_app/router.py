@@ -786,8 +786,9 @@ class Router:
             yield first
             while True:
                 try:
-                    chunk = await asyncio.wait_for(gen.__anext__(),
-                                                   timeout=max(0.001, deadline + DEADLINE_GRACE_S - time.monotonic()))
+                    # (asyncio.timeout, not wait_for: on 3.11 wait_for wraps every message's wait in a task of its own)
+                    async with asyncio.timeout(max(0.001, deadline + DEADLINE_GRACE_S - time.monotonic())):
+                        chunk = await gen.__anext__()
                 except StopAsyncIteration:
                     return
                 except REPLICA_GONE as e:
@@ -878,7 +879,9 @@ class Router:
     async def _sse(self, chunks: AsyncIterator[dict[str, Any]], prompt_tokens: int, request_id: str, body,
                    kind: str, usage: dict[str, int]) -> AsyncIterator[str]:
         """The SSE events of one streamed request; ``usage`` gets its token counts as they come (the tenant's
-        budget is settled from them when the stream ends)."""
+        budget is settled from them when the stream ends). One write per replica message: its events are joined,
+        and the last message's go out with the usage and ``[DONE]``, so a request costs the HTTP stack (uvicorn,
+        Serve's ingress, Starlette) a send per message rather than per event: three to four sends fewer."""
         created = int(time.time())
         model = self.model_name
         completion_tokens = 0
@@ -886,11 +889,13 @@ class Router:
         # Declared tools: the text is read for calls once a choice ends, so it is held back until then.
         tool_reader = body.tool_reader() if kind == "chat" else None
         held_text = [""] * body.n
+        events: list[str] = []
+        add = events.append
         try:
-            if kind == "chat":
+            if kind == "chat":  # they go with the first message, which is here already (``_stream_response``)
                 for i in range(body.n):
-                    yield R.sse(R.chat_chunk(request_id, model, created, i, {"role": "assistant", "content": ""},
-                                             None, None))
+                    add(R.sse(R.chat_chunk(request_id, model, created, i, {"role": "assistant", "content": ""},
+                                           None, None)))
             async for chunk in chunks:
                 for choice in chunk["choices"]:
                     completion_tokens += len(choice["token_ids"])
@@ -908,23 +913,28 @@ class Router:
                             content, calls = tool_reader(held_text[choice["index"]])
                             delta = ({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls
                                      else {"content": content or ""})
-                            yield R.sse(R.chat_chunk(request_id, model, created, choice["index"], delta, None, None))
-                            yield R.sse(R.chat_chunk(request_id, model, created, choice["index"], {},
-                                                     "tool_calls" if calls else reason, None))
+                            add(R.sse(R.chat_chunk(request_id, model, created, choice["index"], delta, None, None)))
+                            add(R.sse(R.chat_chunk(request_id, model, created, choice["index"], {},
+                                                   "tool_calls" if calls else reason, None)))
                     elif kind == "chat":
                         delta = {"content": choice["text"]} if choice["text"] or not reason else {}
                         logprobs = choice.get("logprobs") if body.logprobs else None
-                        yield R.sse(R.chat_chunk(request_id, model, created, choice["index"], delta, reason, logprobs))
+                        add(R.sse(R.chat_chunk(request_id, model, created, choice["index"], delta, reason, logprobs)))
                     else:
-                        yield R.sse(R.completion_chunk(request_id, model, created, choice, text_offsets[choice["index"]],
-                                                       body.logprobs is not None))
+                        add(R.sse(R.completion_chunk(request_id, model, created, choice, text_offsets[choice["index"]],
+                                                     body.logprobs is not None)))
                         text_offsets[choice["index"]] += len(choice["text"])
+                # The last message (its stream ends right after it) waits for nothing: it goes out below.
+                if events and not chunk.get("finished"):
+                    yield "".join(events)
+                    events.clear()
             if body.include_usage():
                 obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-                yield R.sse(R.usage_chunk(request_id, model, created, obj, prompt_tokens, completion_tokens))
+                add(R.sse(R.usage_chunk(request_id, model, created, obj, prompt_tokens, completion_tokens)))
         except (APIError, ReplicaLost) as e:
             error = e if isinstance(e, APIError) else ServiceUnavailableError(str(e), code="replica_lost")
-            yield R.sse(error.body())
+            add(R.sse(error.body()))
         finally:
             await chunks.aclose()
-        yield R.sse("[DONE]")
+        add(R.sse("[DONE]"))
+        yield "".join(events)
