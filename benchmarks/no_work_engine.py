@@ -22,7 +22,8 @@ TOKEN_ID, TOKEN_TEXT = 65, "A"
 
 class NoWorkEngine:
     def __init__(self, model: str = "demo-tiny", max_num_seqs: int = 64, max_model_len: int = 2048,
-                 **_: Any) -> None:
+                 max_outputs_per_s: float | None = None, **_: Any) -> None:
+        self.max_outputs_per_s = max_outputs_per_s  # paced as AsyncLLMEngine paces its streams' outputs
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.step_observer = None
@@ -55,16 +56,26 @@ class NoWorkEngine:
 
     async def _tokens(self, request_id: str, prompt: list[int], params: SamplingParams,
                       done_already: int = 0) -> AsyncIterator[RequestOutput]:
-        """Delta outputs (what the replica asks for): one token each, after a step's sleep."""
+        """Delta outputs (what the replica asks for): a token after each step's sleep, each step's token in an output
+        of its own, or (``max_outputs_per_s``) gathered as ``AsyncLLMEngine`` gathers them: the first and the last at
+        once, and in between an output once every (streams / ``max_outputs_per_s``) seconds."""
         metrics = RequestMetrics(arrival_time=time.time())
         num_tokens = params.max_tokens or 16
         self.num_running += 1
+        shown_at, held = float("-inf"), 0
         try:
             for i in range(done_already, num_tokens):
                 await asyncio.sleep(STEP_S)
-                done = i + 1 == num_tokens
-                output = CompletionOutput(0, [TOKEN_ID], TOKEN_TEXT, [TOKEN_ID], TOKEN_TEXT, "length" if done else None)
+                done, held = i + 1 == num_tokens, held + 1
+                now = time.monotonic()
+                if not done and i > done_already and self.max_outputs_per_s \
+                        and now - shown_at < self.num_running / self.max_outputs_per_s:
+                    continue
+                shown_at = now
+                ids, text = [TOKEN_ID] * held, TOKEN_TEXT * held
+                output = CompletionOutput(0, ids, text, ids, text, "length" if done else None)
                 yield RequestOutput(request_id, None, prompt if i == done_already else None, [output], done, metrics)
+                held = 0
         finally:
             self.num_running -= 1
 

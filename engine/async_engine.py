@@ -55,10 +55,16 @@ class AsyncLLMEngine:
     process of its own (``engine_core.EngineCoreProcess``), which servers use so that their event loop and
     the engine's steps never wait for each other's GIL; ``engine`` is then None (the engine lives there).
     ``engine_cpus`` ("0", "0-3", "0,2"): the CPUs that process runs on, for an engine with cores of its own
-    (``serve_app.cpu_plan`` keeps the serving processes off them)."""
+    (``serve_app.cpu_plan`` keeps the serving processes off them).
+
+    ``max_outputs_per_s``: about how many outputs per second the streams get in all. Each stream's come at most
+    every (streams / ``max_outputs_per_s``) seconds, its first and its last at once; the tokens of the steps
+    between gather into the next (``OutputProcessor.process``). A server that relays every output as a message
+    (``serve_app.replica``) so spends its event loop per interval, not per step and stream. None: an output per
+    step that gave a stream something."""
 
     def __init__(self, model: str = "demo-tiny", *, engine: LLMEngine | None = None, engine_process: bool = False,
-                 engine_cpus: str | None = None, **engine_args: Any) -> None:
+                 engine_cpus: str | None = None, max_outputs_per_s: float | None = None, **engine_args: Any) -> None:
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._lock = threading.Lock()  # guards the view and the adds it does not hold yet (the reporting thread)
         self._queue_view: QueueView | None = None  # the engine's latest view of its queue, for admission
@@ -68,6 +74,9 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
         self._ids = itertools.count()
+        if max_outputs_per_s is not None and not max_outputs_per_s > 0:
+            raise ValueError(f"max_outputs_per_s must be > 0 or None, got {max_outputs_per_s!r}")
+        self.max_outputs_per_s = max_outputs_per_s
         # Called after every step with (seconds, rows in the batch), on the thread that reports: metrics hang here.
         self.step_observer: Callable[[float, int], None] | None = None
         # Called once, on the thread that found it, if the engine dies while not being shut down (its process
@@ -248,7 +257,8 @@ class AsyncLLMEngine:
 
     # -- on the event loop -----------------------------------------------------------------------
     def _deliver(self, records: list[CoreRecord]) -> None:
-        outputs, stopped = self._front_end.process(records)
+        interval = len(self._queues) / self.max_outputs_per_s if self.max_outputs_per_s else 0.0
+        outputs, stopped = self._front_end.process(records, time.monotonic(), interval)
         if self._dead is None and not self._stopping:
             for request_id, stop in stopped:  # the core ends it between its next steps
                 self._core.send(("stop_string", request_id, stop))

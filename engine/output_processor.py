@@ -38,7 +38,7 @@ class _Request:
     """What the front end keeps of a request (all its ``n`` sequences) until its final output."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "sequences", "output_kind",
-                 "sent_first_output", "metrics", "embedding")
+                 "sent_first_output", "metrics", "embedding", "shown_at")
 
     def __init__(self, first: Request) -> None:
         self.request_id = first.parent_id
@@ -50,6 +50,7 @@ class _Request:
         self.sent_first_output = False  # delta outputs carry the prompt's fields in the first one only
         self.metrics: RequestMetrics = first.metrics
         self.embedding: list[float] | None = None
+        self.shown_at = float("-inf")  # when its latest output with something to show was made (``process``)
 
 
 class _Sequence:
@@ -107,9 +108,15 @@ class OutputProcessor:
             for sequence in parent.sequences:
                 self._sequences.pop(sequence.request_id, None)
 
-    def process(self, records: list[CoreRecord]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+    def process(self, records: list[CoreRecord], now: float = 0.0,
+                interval: float = 0.0) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """The outputs of a core step's records, and the sequences a stop string ended here while the core has
         them running: (request id, stop string), for ``LLMEngine.finish_stopped``.
+
+        ``interval`` > 0 paces a request's outputs: after an output that shows something (text, logprobs), the
+        next comes once ``interval`` seconds have passed (by ``now``, a monotonic clock), or with the request's end;
+        the tokens of the steps between are in it (their text is made and checked for stop strings as they come,
+        only no output is). A stream then costs its consumer an output per interval instead of one per step.
 
         One call per step with its loop inside: this runs for every row of every step."""
         touched: dict[_Request, None] = {}
@@ -146,9 +153,12 @@ class OutputProcessor:
             children = parent.sequences
             finished = (children[0].finish_reason is not None if len(children) == 1
                         else all(s.finish_reason is not None for s in children))
-            if parent.output_kind == "final_only" and not finished:
+            if not finished and (parent.output_kind == "final_only" or now - parent.shown_at < interval):
                 continue
-            outputs.append(self._make_output(parent, finished))
+            output = self._make_output(parent, finished)
+            outputs.append(output)
+            if interval and _shows_something(output):
+                parent.shown_at = now
             if finished:
                 del self._requests[parent.request_id]
                 for sequence in parent.sequences:
@@ -252,6 +262,13 @@ class OutputProcessor:
         if finished and parent.embedding is not None:
             output.embedding = parent.embedding
         return output
+
+
+def _shows_something(output: RequestOutput) -> bool:
+    """Whether a client is shown anything of ``output``: new text, or new tokens' logprobs. (A token whose text the
+    detokenizer holds back, the first bytes of a character, shows nothing: it starts no pacing interval, or the text
+    behind it would wait an interval.)"""
+    return any(c.new_text or (c.logprobs and c.new_token_ids) for c in output.outputs)
 
 
 def _visible_text_len(sequence: _Sequence, finished: bool) -> int:

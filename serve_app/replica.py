@@ -10,10 +10,12 @@ connection too when the request brings a ``route`` (the call then yields nothing
 all been sent, or fails when the replica is lost), else as the call's own items.
 
 Messages cost CPU that the engine shares (through Ray Serve a few thousand per second is all two
-cores give; on the channel each chunk still becomes an SSE event that the proxy relays), so the replica paces them: the first tokens go at once (time to first token is
-untouched), then a request's tokens are gathered for ``active streams / max_messages_per_s``
-seconds, so the replica as a whole sends about ``max_messages_per_s`` messages whatever the load:
-one token per message with a single stream, several with many. Leaving the stream early aborts the request in the engine,
+cores give; on the channel each chunk still becomes an SSE event that the router relays), so they are paced: the
+engine hands a stream an output (its first tokens at once: time to first token is untouched) at most every
+``active streams / max_messages_per_s`` seconds (``AsyncLLMEngine``'s ``max_outputs_per_s``), the tokens between
+gathering into the next, and each output is a message. So the replica as a whole sends about
+``max_messages_per_s`` messages whatever the load, one token per message with a single stream, several with many,
+and its event loop handles an output per message, not one per step and stream. Leaving the stream early aborts the request in the engine,
 which frees its KV blocks in the next step.
 """
 
@@ -54,14 +56,13 @@ class LLMReplica:
         engine_args = dict(engine_args or {})
         if engine_process and engine_cls is AsyncLLMEngine:  # a stand-in engine runs where it is
             engine_args.update(engine_process=True, engine_cpus=engine_cpus)
-        self.engine = engine_cls(model, **engine_args)
+        # Every output of a stream is a message: the engine paces them to the budget.
+        self.engine = engine_cls(model, max_outputs_per_s=max_messages_per_s, **engine_args)
         self.max_queued_requests = max_queued_requests
-        self.max_messages_per_s = max_messages_per_s
         # The engine's gauges, and the stats each router gets on its connection: as often as the deployment's
         # routing stats (routing_stats_period_s, what Serve's request router sees), and at least every
         # HEARTBEAT_S, since they are also the connection's heartbeat.
         self.stats_period_s = min(stats_period_s, HEARTBEAT_S)
-        self.num_streams = 0
         self.metrics = ReplicaMetrics()
         self.engine.step_observer = self.metrics.observe_step
         self.drain = DrainRate()
@@ -192,27 +193,18 @@ class LLMReplica:
         started = {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
         num_generated = 0
         echo = self._echo(request, stream.prompt_token_ids, params) if request.get("echo") else None
-        held: dict[str, Any] | None = None
-        last_sent = 0.0  # nothing with tokens sent yet: the first tokens go at once
-        self.num_streams += 1
         try:
-            async for output in stream:
+            async for output in stream:  # paced by the engine (max_outputs_per_s): each one is a message
                 num_generated += sum(len(c.token_ids) for c in output.outputs)
-                held = _merge_chunks(held, self._chunk(output, params.logprobs or 0, echo))
-                now = time.monotonic()
-                if output.finished or now - last_sent >= self.num_streams / self.max_messages_per_s:
-                    if started is not None:
-                        held, started = {**started, **held}, None
-                    if _visible(held):  # one the client cannot see starts no window: the text behind it goes at once
-                        last_sent = now
-                    yield held
-                    held = None
+                chunk = self._chunk(output, params.logprobs or 0, echo)
+                if started is not None:
+                    chunk, started = {**started, **chunk}, None
+                yield chunk
                 if output.finished:
                     self._on_finished(output, num_generated)
         except DeadlineUnmeetableError as e:  # refused at admission (before any output): a late first token predicted
             yield self._refuse_unmeetable(e)
         finally:
-            self.num_streams -= 1
             # counted once per request: a metric update per message costs more than it (Ray refuses inc(0):
             # a prefill-only request, or one that ended before its first token, generated nothing)
             if num_generated:
@@ -454,32 +446,6 @@ class _Echo:
                 _logprob_entry(entry, token_id, self.num_top)
                 for entry, token_id in zip(prompt_logprobs[1:], output.prompt_token_ids[1:])]
         choice["logprobs"] = self.entries + choice.get("logprobs", [])
-
-
-def _visible(chunk: dict[str, Any]) -> bool:
-    """Whether the router turns ``chunk`` into something a client sees. A token whose text the detokenizer holds
-    back (the first bytes of a character) is not: a chunk of only such tokens starts no pacing window, or the
-    first text would wait a window behind it."""
-    return any(c["text"] or c["finish_reason"] or c.get("logprobs") for c in chunk["choices"])
-
-
-def _merge_chunks(held: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
-    """One chunk carrying ``held`` then ``new``: texts and token ids joined, the latest finish reason."""
-    if held is None:
-        return new
-    by_index = {c["index"]: c for c in held["choices"]}
-    for choice in new["choices"]:
-        old = by_index.get(choice["index"])
-        if old is None:
-            held["choices"].append(choice)
-            continue
-        old["text"] += choice["text"]
-        old["token_ids"] = old["token_ids"] + choice["token_ids"]
-        old["finish_reason"], old["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
-        if "logprobs" in choice:
-            old["logprobs"] = old.get("logprobs", []) + choice["logprobs"]
-    held["finished"] = new["finished"]
-    return held
 
 
 def _logprob_entry(entry: dict, token_id: int, num_top: int) -> dict[str, Any]:

@@ -208,3 +208,42 @@ def test_submit_validates_at_once_and_returns_the_prompt_ids():
 
     outs = run(body, max_model_len=64)
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+
+
+def _paced(coro_fn, max_outputs_per_s: float, **engine_args):
+    async def main():
+        aengine = AsyncLLMEngine(engine=make_engine(**engine_args), max_outputs_per_s=max_outputs_per_s)
+        try:
+            return await asyncio.wait_for(coro_fn(aengine), TIMEOUT_S)
+        finally:
+            await asyncio.wait_for(aengine.shutdown(), 5)
+
+    return asyncio.run(main())
+
+
+def test_paced_streams_get_their_first_output_at_once_then_everything_with_their_last():
+    """``max_outputs_per_s``: an interval of (streams / budget) seconds after each output that shows something;
+    with 1,000 s nothing comes between a stream's first text and its end, and no token is lost on the way."""
+    prompts = random_prompts(4, 6, 20, seed=5)
+    want = generate_ids(make_engine(), prompts, greedy(24))
+
+    async def body(aengine):
+        return await asyncio.gather(*(collect(aengine, p, greedy(24)) for p in prompts))
+
+    results = _paced(body, max_outputs_per_s=4e-3)  # 4 streams: an interval of 1,000 s
+    for outs, ids in zip(results, want):
+        shown = [i for i, o in enumerate(outs) if o.outputs[0].new_text]
+        assert shown and shown[0] < len(outs) - 1, "the first text goes when it comes, not with the last output"
+        assert len(outs) == shown[0] + 2, "after the first text, only the last output (it carries the rest)"
+        assert [t for o in outs for t in o.outputs[0].new_token_ids] == ids
+        assert "".join(o.outputs[0].new_text for o in outs) == outs[-1].outputs[0].text
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+
+
+def test_unpaced_streams_get_an_output_per_step_and_a_bad_budget_is_refused():
+    prompt = random_prompts(1, 8, 8, seed=6)[0]
+    outs = _paced(lambda aengine: collect(aengine, prompt, greedy(12)), max_outputs_per_s=1e9)
+    assert len(outs) >= 6, "an interval of nanoseconds holds nothing back"
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="max_outputs_per_s"):
+            AsyncLLMEngine(engine=make_engine(), max_outputs_per_s=bad)
