@@ -8,9 +8,9 @@ arguments:
   * 64 concurrent streams, each sending ``--requests-per-stream`` requests one after another (a
     closed loop, as a benchmark with a concurrency limit runs): TTFT and output tokens/s, directly
     and through HTTP, against the engine's offline throughput (``LLM.generate``) on the same requests. The HTTP
-    load runs ``--rounds`` times, each right after an offline run (the server idle meanwhile), and the share is
-    the median round's: this machine's speed drifts by tens of percent within a minute, and a share of two runs
-    taken a minute apart measured the drift.
+    load runs ``--rounds`` times, each right after an offline run (the server idle meanwhile), after one untimed
+    round of both, and the share is the median round's: this machine's speed drifts by tens of percent within a
+    minute, and a share of two runs taken a minute apart measured the drift.
 ``--engine no-work`` puts ``benchmarks.no_work_engine`` behind the same Router and LLMReplica: what
 Ray Serve, HTTP and our serving code cost on this machine with no model at all (the floor).
 Targets: <= 10 ms TTFT added at p50 with 1 stream (issue 3); >= 75% of offline throughput at 64 streams (issue
@@ -229,6 +229,11 @@ def main() -> None:
             e1 = [t for _, bare in pairs for t in bare[0]]
             err1 = sum(ours[2] + bare[2] for ours, bare in pairs)
         bar.update()
+        # One untimed round of each first: either side's first batch of this shape pays for oneDNN's kernels for
+        # its row counts (the first offline run after start-up came out 15-25% slower than the ones after it).
+        if offline is not None:
+            offline.tokens_per_s(many, args.max_tokens)
+            asyncio.run(http_run(streams, args.max_tokens, url))
         rounds, h64, err64, cpu = [], [], 0, {}
         for _ in range(args.rounds):
             offline_tps = offline.tokens_per_s(many, args.max_tokens) if offline is not None else nan
