@@ -282,9 +282,9 @@ def main() -> None:
     if real:
         print(f"\nrounds (offline tok/s, then HTTP at {args.streams} streams): " + "; ".join(
             f"{r['offline']:.0f} / {r['http_64']:.0f} = {r['share']:.1%}" for r in rounds))
-        print(f"offline throughput {offline_tps:.0f} tok/s (median); HTTP at {args.streams} streams = {share:.1%} of it "
-              f"in the median round (target >= 75%: {'met' if share >= 0.75 else 'missed'}); TTFT added at 1 stream {added:.1f} ms "
-              f"(target <= 10 ms: {'met' if added <= 10 else 'missed'}); errors {err1 + err64}")
+        print(f"offline throughput {offline_tps:.0f} tok/s (median); HTTP at {args.streams} streams = {share:.1%} of "
+              f"it in the median round (target >= 75%: {'met' if share >= 0.75 else 'missed'}); TTFT added at 1 stream "
+              f"{added:.1f} ms (target <= 10 ms: {'met' if added <= 10 else 'missed'}); errors {err1 + err64}")
     else:
         print(f"\nno-work engine (a token every {STEP_S * 1e3:.0f} ms, no CPU) behind our Router and LLMReplica "
               f"(HTTP) against the bare Ray Serve path (a token per message, nothing else): the serving path's "
