@@ -5,9 +5,13 @@ caches cannot hold the model that read comes from memory every step. oneDNN's bl
 packed once at load, reads it in order: measured on the 2-core benchmark machine with cold caches,
 13 rows x the benchmark model's LM head took 1.07 ms against MKL's 2.36 ms on the plain weight, and
 its MLP projections 10-25% less; prefill chunks of 1-2k rows run 5-12% faster too (seed workload +3%
-over packing only up to 512 rows, alternating runs). A single row is faster on the plain weight (MKL's
-gemv), so both stay: the packed copy costs the linear weights' memory once more, which is why this
-is a CPU pass for float32 and not the default elsewhere.
+over packing only up to 512 rows, alternating runs). A single row too, since 2026-12-05: the model's 17
+linears for one row from a cold cache took 1.42-1.47 ms packed against MKL gemv's 1.85 ms on the plain
+weight (Zen 4), and a one-row decode step of the benchmark model 2.1-2.5 ms against 2.5-3.0 on one thread,
+1.7-2.2 against 2.8 on two (MKL's gemv does not split one row over threads). Between steps the caches do not
+keep the weights: a step reads ~16 MB of them and the KV, and this VM's share of the L3 holds ~12-16 MB. The
+plain weight stays the module's parameter (loading, tied embeddings); the packed copy costs the linear
+weights' memory once more, which is why this is a CPU pass for float32 and not the default elsewhere.
 
 oneDNN keeps a primitive (JIT code and buffers) for every row count it has seen, about 0.6 MB each here and
 never given back: with prompts of every length, an engine's memory grew by ~700 MB over its first few
@@ -27,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_PACKED_ROWS = 2  # fewer rows than this: MKL's gemv on the plain weight
 EXACT_ROWS = 16  # row counts up to this are used as they are (decode batches); above, padded to a bucket
 
 
@@ -45,7 +48,7 @@ def padded_rows(rows: int) -> int:
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 2 and x.shape[0] >= MIN_PACKED_ROWS:
+    if x.dim() == 2 and x.shape[0]:  # (an empty or batched-3D input keeps the plain weight)
         rows = x.shape[0]
         padded = padded_rows(rows)
         if padded != rows:
@@ -58,7 +61,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def pack_linear_weights(model: nn.Module, expected_rows: int = 64) -> int:
     """Give every float32 ``nn.Linear`` of ``model`` a packed copy of its weight and a forward that uses it
-    from 2 rows up; returns how many were packed. ``expected_rows`` is oneDNN's layout hint."""
+    for every row count; returns how many were packed. ``expected_rows`` is oneDNN's layout hint."""
     if not packing_available():
         return 0
     count = 0
