@@ -116,14 +116,15 @@ def _lib() -> ctypes.CDLL:
 
 
 def _check(*tensors: torch.Tensor) -> None:
+    # (is_cpu, not device.type: that builds a torch.device per call, and these run a few dozen times a step)
     for t in tensors:
-        assert t.dtype == torch.float32 and t.device.type == "cpu", "the CPU kernels take float32 CPU tensors"
+        assert t.dtype is torch.float32 and t.is_cpu, "the CPU kernels take float32 CPU tensors"
 
 
 def _check_index(*tensors: torch.Tensor) -> None:
     # The kernels read these through raw int64 pointers: another dtype would read the wrong memory.
     for t in tensors:
-        assert t.dtype == torch.int64 and t.device.type == "cpu", "block tables, lengths and slots must be int64"
+        assert t.dtype is torch.int64 and t.is_cpu, "block tables, lengths and slots must be int64"
 
 
 def causal_attention_supports(head_dim: int) -> bool:
@@ -229,7 +230,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     _check(x, cos, sin)
     assert x.stride(2) == 1
     num_tokens, num_heads, head_dim = x.shape
-    cos, sin = (t.reshape(num_tokens, head_dim // 2).contiguous() for t in (cos, sin))
+    assert cos.numel() == sin.numel() == num_tokens * (head_dim // 2), "cos/sin: one row of head_dim / 2 per token"
+    if not (cos.is_contiguous() and sin.is_contiguous()):  # (the model's tables are: read as [tokens, head_dim / 2])
+        cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
     _lib().rope_f32(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), num_tokens, num_heads, head_dim,
                     x.stride(0), x.stride(1), torch.get_num_threads())
