@@ -2,6 +2,7 @@
 
 * ``paged_decode_attention``: decode rows against the paged KV cache, read in place (no gathered copy);
 * ``store_kv``: the step's new K/V into the cache;
+* ``linear``: a decode step's few rows times a weight packed once (``pack_linear``), with oneDNN's sums;
 * ``rms_norm`` (with the residual add), ``silu_and_mul``, ``apply_rope``: the per-token work between the
   matmuls in one pass each, with ``kernels.triton_fused``'s signatures (the model takes either module).
 
@@ -102,6 +103,8 @@ def load() -> ctypes.CDLL | None:
         "silu_and_mul_f32": [ptr, ptr, i64, i64, i64, i32],
         "rope_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
         "store_kv_f32": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32],
+        "pack_linear_f32": [ptr, ptr, i64, i64],
+        "linear_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -236,4 +239,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
     _lib().rope_f32(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), num_tokens, num_heads, head_dim,
                     x.stride(0), x.stride(1), torch.get_num_threads())
+    return out
+
+
+LINEAR_COLS = 64  # output columns per block of a packed weight (the kernel's LINEAR_COLS)
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] float32 in ``linear``'s layout: [ceil(out / 64), in, 64], the columns past ``out`` zero."""
+    _check(weight)
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    packed = torch.empty((-(-n // LINEAR_COLS), k, LINEAR_COLS), dtype=torch.float32)
+    _lib().pack_linear_f32(weight.data_ptr(), packed.data_ptr(), n, k)
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x`` [rows, in] (rows contiguous) times the weight ``pack_linear`` packed, plus ``bias``: [rows, out].
+    Bit for bit what oneDNN's packed matmul gives for ``in`` up to 1,024 (see the kernel)."""
+    _check(x)
+    assert x.stride(1) == 1 and packed.shape[1] == x.shape[1]
+    num_rows, k = x.shape
+    out = torch.empty((num_rows, out_features), dtype=torch.float32)
+    _lib().linear_f32(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                      num_rows, out_features, k, x.stride(0), torch.get_num_threads())
     return out

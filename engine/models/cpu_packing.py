@@ -1,17 +1,23 @@
-"""A model pass for the CPU: every ``nn.Linear`` also keeps its weight pre-packed for oneDNN.
+"""A model pass for the CPU: every ``nn.Linear`` also keeps its weight pre-packed, for oneDNN and for our kernel.
 
 At decode batch sizes a matmul reads its whole weight for a handful of rows, and on a CPU whose
-caches cannot hold the model that read comes from memory every step. oneDNN's blocked layout,
-packed once at load, reads it in order: measured on the 2-core benchmark machine with cold caches,
-13 rows x the benchmark model's LM head took 1.07 ms against MKL's 2.36 ms on the plain weight, and
-its MLP projections 10-25% less; prefill chunks of 1-2k rows run 5-12% faster too (seed workload +3%
-over packing only up to 512 rows, alternating runs). A single row too, since 2026-12-05: the model's 17
-linears for one row from a cold cache took 1.42-1.47 ms packed against MKL gemv's 1.85 ms on the plain
-weight (Zen 4), and a one-row decode step of the benchmark model 2.1-2.5 ms against 2.5-3.0 on one thread,
-1.7-2.2 against 2.8 on two (MKL's gemv does not split one row over threads). Between steps the caches do not
-keep the weights: a step reads ~16 MB of them and the KV, and this VM's share of the L3 holds ~12-16 MB. The
-plain weight stays the module's parameter (loading, tied embeddings); the packed copy costs the linear
-weights' memory once more, which is why this is a CPU pass for float32 and not the default elsewhere.
+caches cannot hold the model that read comes from memory every step. Between steps this VM's caches do not
+keep the weights: a step reads ~16 MB of them and the KV, and its share of the L3 holds ~12-16 MB. So both
+copies are laid out to be read in order:
+
+* Up to ``KERNEL_ROWS`` rows (decode steps): ``kernels.cpu_kernels.linear`` on a copy packed as
+  [out / 64, in, 64]. oneDNN's matmul costs ~13 us per call before any arithmetic (17 calls a step of the
+  benchmark model); this one costs a ctypes call, and streams the weight. A one-row decode step of the benchmark
+  model went from 2.18-2.30 ms to 1.27-1.33 ms on one thread, 6 and 8 rows 12-20% faster, 16 rows level
+  (alternating runs, 2026-12-05). Its sums are oneDNN's, bit for bit (tests/kernels/test_cpu_linear.py), so a
+  row gets the same bits whichever path its batch size takes: at every row count for up to 1,024 inputs; above
+  that oneDNN sums a lone row differently from a batch, and the kernel only takes lone rows there.
+* Above: oneDNN's blocked layout, packed once at load. Measured on the 2-core benchmark machine with cold
+  caches, 13 rows x the benchmark model's LM head took 1.07 ms against MKL's 2.36 ms on the plain weight,
+  and its MLP projections 10-25% less; prefill chunks of 1-2k rows run 5-12% faster too.
+
+The plain weight stays the module's parameter (loading, tied embeddings); the two packed copies cost the linear
+weights' memory twice more, which is why this is a CPU pass for float32 and not the default elsewhere.
 
 oneDNN keeps a primitive (JIT code and buffers) for every row count it has seen, about 0.6 MB each here and
 never given back: with prompts of every length, an engine's memory grew by ~700 MB over its first few
@@ -31,7 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_kernels
+
 EXACT_ROWS = 16  # row counts up to this are used as they are (decode batches); above, padded to a bucket
+KERNEL_ROWS = EXACT_ROWS  # up to this many rows, cpu_kernels.linear (see the module docstring)
+EXACT_KERNEL_IN_FEATURES = 1024  # where cpu_kernels.linear sums as oneDNN's matmul does at every row count
 
 
 def packing_available() -> bool:
@@ -50,6 +60,8 @@ def padded_rows(rows: int) -> int:
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.shape[0]:  # (an empty or batched-3D input keeps the plain weight)
         rows = x.shape[0]
+        if rows <= self.kernel_rows:
+            return cpu_kernels.linear(x, self.kernel_weight, self.bias, self.out_features)
         padded = padded_rows(rows)
         if padded != rows:
             x = F.pad(x, (0, 0, 0, padded - rows))
@@ -60,14 +72,21 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def pack_linear_weights(model: nn.Module, expected_rows: int = 64) -> int:
-    """Give every float32 ``nn.Linear`` of ``model`` a packed copy of its weight and a forward that uses it
-    for every row count; returns how many were packed. ``expected_rows`` is oneDNN's layout hint."""
+    """Give every float32 ``nn.Linear`` of ``model`` packed copies of its weight (oneDNN's, and the kernel's when
+    the CPU kernels are built) and a forward that uses them for every row count; returns how many were packed.
+    ``expected_rows`` is oneDNN's layout hint."""
     if not packing_available():
         return 0
+    kernels = cpu_kernels.load() is not None
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), expected_rows)
+            module.kernel_rows = 0
+            if kernels:
+                module.kernel_weight = cpu_kernels.pack_linear(module.weight)
+                # oneDNN's sums, bit for bit: at every row count up to 1,024 inputs, above only a lone row's
+                module.kernel_rows = KERNEL_ROWS if module.in_features <= EXACT_KERNEL_IN_FEATURES else 1
             module.forward = types.MethodType(_packed_forward, module)
             count += 1
     if count and hasattr(model, "row_padding"):

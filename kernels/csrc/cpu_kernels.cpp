@@ -20,6 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include <immintrin.h>
+
 // VL floats as one value of GCC's vector extension, VL the target's widest float register: 16 (a zmm) with
 // AVX-512, else 8 (a ymm with AVX2; two xmm without). Written as locals, a tile's accumulators stay in registers;
 // as the plain float arrays this kernel had, GCC kept them in memory and loaded and stored them around every FMA
@@ -324,6 +326,84 @@ static void causal_tile(const float* __restrict query, const float* __restrict k
     }
 }
 
+// -- Decode-sized linears -------------------------------------------------------------------------------------
+//
+// y[m, :] = x[m, :] W^T (+ bias) for a few rows m, W [n, k] packed once at load as [ceil(n / 64)][k][64]: a block
+// of 64 output columns is k consecutive rows of 64 weights, so the whole weight is read as one forward stream.
+// oneDNN's packed matmul (engine/models/cpu_packing.py) costs ~13 us per call before any arithmetic, 17 calls a
+// decode step of the benchmark model; this costs the ctypes call.
+//
+// The sums are oneDNN's, bit for bit (tests/kernels/test_cpu_linear.py), so a row gets the same bits here as in
+// a larger batch there: for each output, one chain of fused multiply-adds over k in order, from zero, in blocks
+// of LINEAR_K_BLOCK whose partial sums are then added in order; the bias last. (That is oneDNN's order for
+// k <= 1024 at every row count; above, oneDNN itself gives a lone row other bits than a batch.)
+constexpr int64_t LINEAR_COLS = 64;
+constexpr int64_t LINEAR_K_BLOCK = 512;
+constexpr int LINEAR_VECS = LINEAR_COLS / VL;
+// Rows sharing one read of a weight vector: 4 x 4 accumulators with AVX-512; with 8 lanes a row's 8 fill half
+// of AVX2's 16 registers.
+constexpr int LINEAR_ROWS = VL == 16 ? 4 : 1;
+
+// a * b + c rounded once, as oneDNN's FMA instructions compute it.
+static inline vecf fused_mul_add(vecf a, vecf b, vecf c) {
+#if INFLIGHT_LANES == 16 && defined(__AVX512F__)
+    return (vecf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif INFLIGHT_LANES == 8 && defined(__FMA__)
+    return (vecf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    for (int i = 0; i < VL; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return c;
+#endif
+}
+
+// ROWS rows of x against one 64-column block of the packed weight: acc <- x[:, k0:k1] . W[k0:k1, block].
+template <int ROWS>
+static inline __attribute__((always_inline)) void linear_chain(const float* __restrict x, int64_t stride_x,
+                                                               const float* __restrict w, int64_t k0, int64_t k1,
+                                                               vecf (&acc)[LINEAR_ROWS][LINEAR_VECS]) {
+    for (int r = 0; r < ROWS; ++r)
+        for (int j = 0; j < LINEAR_VECS; ++j) acc[r][j] = vecf{};
+    for (int64_t kk = k0; kk < k1; ++kk) {
+        vecf wv[LINEAR_VECS];
+        for (int j = 0; j < LINEAR_VECS; ++j) wv[j] = loadv(w + kk * LINEAR_COLS + j * VL);
+        for (int r = 0; r < ROWS; ++r) {
+            const vecf a = vecf{} + x[r * stride_x + kk];
+            for (int j = 0; j < LINEAR_VECS; ++j) acc[r][j] = fused_mul_add(a, wv[j], acc[r][j]);
+        }
+    }
+}
+
+template <int ROWS>
+static void linear_rows(const float* __restrict x, int64_t stride_x, const float* __restrict w,
+                        const float* __restrict bias, float* __restrict y, int64_t stride_y, int64_t k, int64_t cols) {
+    vecf sum[LINEAR_ROWS][LINEAR_VECS], part[LINEAR_ROWS][LINEAR_VECS];
+    linear_chain<ROWS>(x, stride_x, w, 0, std::min(k, LINEAR_K_BLOCK), sum);
+    for (int64_t k0 = LINEAR_K_BLOCK; k0 < k; k0 += LINEAR_K_BLOCK) {
+        linear_chain<ROWS>(x, stride_x, w, k0, std::min(k, k0 + LINEAR_K_BLOCK), part);
+        for (int r = 0; r < ROWS; ++r)
+            for (int j = 0; j < LINEAR_VECS; ++j) sum[r][j] += part[r][j];
+    }
+    for (int r = 0; r < ROWS; ++r) {
+        float out[LINEAR_COLS];
+        for (int j = 0; j < LINEAR_VECS; ++j) storev(out + j * VL, sum[r][j]);
+        float* dst = y + r * stride_y;
+        if (bias != nullptr)
+            for (int64_t c = 0; c < cols; ++c) dst[c] = out[c] + bias[c];
+        else
+            std::memcpy(dst, out, cols * sizeof(float));
+    }
+}
+
+// One 64-column block for every row (a function of its own: see ROW_FN below on OpenMP bodies).
+static __attribute__((noinline)) void linear_block(const float* x, const float* w, const float* bias, float* y,
+                                                   int64_t num_rows, int64_t k, int64_t n, int64_t stride_x,
+                                                   int64_t cols) {
+    int64_t r = 0;
+    for (; r + LINEAR_ROWS <= num_rows; r += LINEAR_ROWS)
+        linear_rows<LINEAR_ROWS>(x + r * stride_x, stride_x, w, bias, y + r * n, n, k, cols);
+    for (; r < num_rows; ++r) linear_rows<1>(x + r * stride_x, stride_x, w, bias, y + r * n, n, k, cols);
+}
+
 extern "C" {
 
 // query, out: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim]; float32,
@@ -500,6 +580,28 @@ void store_kv_f32(const float* key, const float* value, float* k_cache, float* v
             std::copy_n(value + t * stride_vt + h * stride_vh, head_dim, v_cache + h * head_stride + offset);
         }
     }
+}
+
+// W [n, k] row-major -> packed [ceil(n / 64)][k][64], the columns past n zero.
+void pack_linear_f32(const float* weight, float* packed, int64_t n, int64_t k) {
+    const int64_t num_blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
+    for (int64_t b = 0; b < num_blocks; ++b)
+        for (int64_t kk = 0; kk < k; ++kk)
+            for (int64_t c = 0; c < LINEAR_COLS; ++c) {
+                const int64_t col = b * LINEAR_COLS + c;
+                packed[(b * k + kk) * LINEAR_COLS + c] = col < n ? weight[col * k + kk] : 0.f;
+            }
+}
+
+// y [num_rows, n] (contiguous) = x [num_rows, k] (row stride stride_x) W^T + bias (nullptr: none), W packed by
+// pack_linear_f32. Column blocks split over threads when there is enough work.
+void linear_f32(const float* x, const float* packed, const float* bias, float* y, int64_t num_rows, int64_t n,
+                int64_t k, int64_t stride_x, int num_threads) {
+    const int64_t num_blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
+#pragma omp parallel for num_threads(num_threads) if (worth_threads(num_rows * n * k / 8))
+    for (int64_t b = 0; b < num_blocks; ++b)
+        linear_block(x, packed + b * k * LINEAR_COLS, bias != nullptr ? bias + b * LINEAR_COLS : nullptr,
+                     y + b * LINEAR_COLS, num_rows, k, n, stride_x, std::min(LINEAR_COLS, n - b * LINEAR_COLS));
 }
 
 }  // extern "C"

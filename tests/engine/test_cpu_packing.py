@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models import cpu_packing
+from kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_packing.packing_available(), reason="this torch has no oneDNN linear")
+requires_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build here")
 
 
 def make_model() -> nn.Module:
@@ -28,25 +30,52 @@ def test_packed_linears_equal_plain_ones(rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_path_is_taken_for_every_row_count():
-    """A packed copy that no longer matches the weight shows which path ran: packed from one row up (a lone
-    decode row too: from a cold cache oneDNN's layout reads faster than MKL's gemv on the plain weight)."""
+@requires_kernels
+def test_packed_paths_are_taken_for_every_row_count():
+    """Packed copies that no longer match the weight show which path ran: the kernel's copy up to KERNEL_ROWS rows
+    (a lone decode row too), oneDNN's above; never the plain weight."""
     model = make_model()
     layer = model[0]
     with torch.inference_mode():
         cpu_packing.pack_linear_weights(model)
         plain_weight = layer.weight.clone()
-        layer.weight.zero_()  # the packed copy keeps the old values
-        for rows in (1, 2, 2048):
+        layer.weight.zero_()  # the packed copies keep the old values
+        for rows in (1, 2, cpu_packing.KERNEL_ROWS, cpu_packing.KERNEL_ROWS + 1, 2048):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(layer(x), F.linear(x, plain_weight), rtol=1e-5, atol=1e-5)
+        layer.kernel_weight.zero_()
+        assert not layer(torch.randn(cpu_packing.KERNEL_ROWS, 64)).any()
+        assert layer(torch.randn(cpu_packing.KERNEL_ROWS + 1, 64)).abs().sum() > 0
 
 
-def test_a_row_alone_gets_the_bits_it_gets_beside_others():
-    """One decode row, then the same row in a batch of 13: the same bits, so a sequence's tokens do not depend on
-    how many others shared its steps (with the plain weight for one row they came from MKL, not oneDNN)."""
+@requires_kernels
+def test_decode_rows_go_through_the_kernel():
+    assert cpu_packing.KERNEL_ROWS >= 1
     model = make_model()
-    x = torch.randn(13, 64)
+    with torch.inference_mode():
+        cpu_packing.pack_linear_weights(model)
+    assert [layer.kernel_rows for layer in model] == [cpu_packing.KERNEL_ROWS] * 2
+
+
+@requires_kernels
+def test_only_a_lone_row_goes_through_the_kernel_above_1024_inputs():
+    """There oneDNN gives a batch's rows other bits than a lone row, and the kernel has only the lone row's."""
+    layer = nn.Linear(1376, 8, bias=False)
+    with torch.inference_mode():
+        cpu_packing.pack_linear_weights(layer)
+        x = torch.randn(3, 1376)
+        alone = torch.ops.mkldnn._linear_pointwise(x[:1], layer.packed_weight, None, "none", [], "")
+        batch = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
+        assert torch.equal(layer(x[:1]), alone) and torch.equal(layer(x), batch)
+    assert layer.kernel_rows == 1
+
+
+@pytest.mark.parametrize("batch", [13, 64])
+def test_a_row_alone_gets_the_bits_it_gets_beside_others(batch):
+    """One decode row, then the same row in a batch of 13 (the kernel) or 64 (oneDNN): the same bits, so a
+    sequence's tokens do not depend on how many others shared its steps."""
+    model = make_model()
+    x = torch.randn(batch, 64)
     with torch.inference_mode():
         cpu_packing.pack_linear_weights(model)
         assert torch.equal(model(x[:1]), model(x)[:1])
