@@ -22,6 +22,7 @@ request whose activations overflow gets garbage, but it cannot poison another re
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,11 +47,10 @@ class PrefillRow:
 @dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes: block * block_size + offset
-    slot_blocks: torch.Tensor  # [num_tokens] block each new token's K/V goes to
-    slot_offsets: torch.Tensor  # [num_tokens] its offset inside that block
+    block_size: int
     all_decode: bool
     prefill_rows: list[PrefillRow]
-    causal_tile: torch.Tensor  # [tile, tile] additive mask: -inf above the diagonal
+    causal_tile: torch.Tensor | None  # [tile, tile] additive mask: -inf above the diagonal (None: no prefill rows)
     decode_token_index: torch.Tensor | None = None  # [num_decode] positions of decode rows in the flat token dim
     decode_tables: torch.Tensor | None = None  # [num_decode, max_blocks] the decode rows' block tables
     decode_seq_lens: torch.Tensor | None = None  # [num_decode] int64 keys each decode row sees
@@ -59,6 +59,15 @@ class TorchAttentionMetadata:
     decode_hidden: torch.Tensor | None = None  # [1, num_chunks, 1, chunk_blocks * block_size] True where NOT visible
     decode_chunk_row: torch.Tensor | None = None  # [num_chunks] which decode row each context chunk belongs to
     decode_slabs: torch.Tensor | None = None  # decode_blocks for every kv head, into the flat cache view
+
+    # Made on first use, once per step: only the PyTorch store_kv reads them (the CPU kernel takes the slots).
+    @functools.cached_property
+    def slot_blocks(self) -> torch.Tensor:  # [num_tokens] block each new token's K/V goes to
+        return self.slot_mapping // self.block_size
+
+    @functools.cached_property
+    def slot_offsets(self) -> torch.Tensor:  # [num_tokens] its offset inside that block
+        return self.slot_mapping % self.block_size
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -90,14 +99,18 @@ class TorchPagedAttention(AttentionBackend):
                 prefill_rows.append(PrefillRow(token_start, token_start + q_len, seq_len, blocks))
             token_start += q_len
 
-        tile = min(QUERY_TILE, max((r.token_end - r.token_start for r in prefill_rows), default=1))
-        causal_tile = torch.full((tile, tile), float("-inf"), device=device).triu(1)
-        metadata = TorchAttentionMetadata(layout.slot_mapping, layout.slot_mapping // bs, layout.slot_mapping % bs,
-                                          all_decode=not prefill_rows, prefill_rows=prefill_rows,
-                                          causal_tile=causal_tile)
+        causal_tile = None
+        if prefill_rows:
+            tile = min(QUERY_TILE, max(r.token_end - r.token_start for r in prefill_rows))
+            causal_tile = torch.full((tile, tile), float("-inf"), device=device).triu(1)
+        metadata = TorchAttentionMetadata(layout.slot_mapping, bs, all_decode=not prefill_rows,
+                                          prefill_rows=prefill_rows, causal_tile=causal_tile)
         if decode_rows:
-            metadata.decode_token_index = torch.tensor(decode_tokens, device=device)
-            metadata.decode_tables = layout.block_tables[torch.tensor(decode_rows, device=device)]
+            if not prefill_rows and len(decode_rows) == len(layout.query_lens):  # every row one decode token
+                metadata.decode_tables = layout.block_tables
+            else:
+                metadata.decode_token_index = torch.tensor(decode_tokens, device=device)
+                metadata.decode_tables = layout.block_tables[torch.tensor(decode_rows, device=device)]
             metadata.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
             self._prepare_decode(metadata, bs)
         return metadata
