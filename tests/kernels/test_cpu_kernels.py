@@ -113,18 +113,6 @@ def kernel_decode(query, ctx, scale):
 # ---- decode attention ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["8", "16"])
-def lanes(request):
-    """The attention kernels built for vectors of 8 lanes (AVX2's registers) and of 16 (AVX-512's), whatever this
-    machine has: each width is its own code (key tiles, folds, sweeps of columns), and CI may run on either."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("INFLIGHT_CPU_KERNEL_LANES", request.param)
-        cpu_kernels.load.cache_clear()
-        assert cpu_kernels.load() is not None
-        yield int(request.param)
-    cpu_kernels.load.cache_clear()
-
-
 def test_the_lanes_setting_is_checked(monkeypatch):
     monkeypatch.setenv("INFLIGHT_CPU_KERNEL_LANES", "12")
     cpu_kernels.load.cache_clear()

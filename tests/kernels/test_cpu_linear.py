@@ -23,17 +23,6 @@ if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
 ROWS = [1, 2, 3, 4, 5, 7, 13, 16]  # whole groups of the kernel's 4 rows, and the rows left after them
 
 
-@pytest.fixture(scope="module", params=["8", "16"])
-def lanes(request):
-    """Both vector widths, whatever this machine has (CI may run on either)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("INFLIGHT_CPU_KERNEL_LANES", request.param)
-        cpu_kernels.load.cache_clear()
-        assert cpu_kernels.load() is not None
-        yield int(request.param)
-    cpu_kernels.load.cache_clear()
-
-
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
