@@ -1,0 +1,38 @@
+"""benchmarks.decode_steps: ours for real on the benchmark checkpoint (few tokens), a row per count, and the flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import decode_steps
+from engine.models import cpu_packing
+
+
+def test_steps_are_decode_steps_only_and_counted_per_row_count(capsys, monkeypatch):
+    monkeypatch.setattr(cpu_packing, "KERNEL_ROWS", cpu_packing.KERNEL_ROWS)  # --kernel-rows is undone after
+    decode_steps.main(["--rows", "1,3", "--prompt-len", "20", "--tokens", "8", "--repeats", "1", "--kernel-rows", "0"])
+    assert cpu_packing.KERNEL_ROWS == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["| rows | median decode step (ms) |", "|---|---|"]
+    cells = [line.strip("|").split("|") for line in lines[2:]]
+    assert [int(rows) for rows, _ in cells] == [1, 3]
+    assert all(float(ms) > 0 for _, ms in cells)
+
+
+def test_a_run_reports_the_steps_after_the_prompts():
+    from benchmarks.workloads import build_checkpoint, engine_args
+    from engine import LLMEngine
+
+    engine = LLMEngine(str(build_checkpoint()), **engine_args("continuous", 8, 2048, 1))
+    times = decode_steps.step_times(engine, 2, prompt_len=20, tokens=8)
+    # one step prefills both prompts and samples their first tokens, 7 more decode: all but PROMPT_STEPS reported
+    assert len(times) == 8 - decode_steps.PROMPT_STEPS
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("argv", [["--rows", "0"], ["--rows", "2,x"], ["--tokens", "0"], ["--kernel-rows", "-1"],
+                                  ["--prompt-len", "2000", "--tokens", "100"]])
+def test_bad_flags_are_named(argv, capsys):
+    with pytest.raises(SystemExit):
+        decode_steps.main(argv)
+    assert "--" in capsys.readouterr().err
