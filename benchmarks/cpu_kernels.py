@@ -2,10 +2,10 @@
 
 Median time per call over ``--calls`` calls, one thread unless ``--threads``: decode attention over a paged cache
 (rows x context, 8 query heads over 4 kv heads of 32, blocks of 16 scattered through the pool), a fresh prompt's
-causal self-attention, the per-token passes between the matmuls, and a decode-sized linear. ``--lanes 8,16`` builds the kernels for
-vectors of 8 lanes (AVX2's registers) and of 16 (AVX-512's) in turn: on a machine without AVX-512 the 16-lane
-build runs on pairs of registers, which shows what the width costs there (``native`` is the build ``load()``
-picks for this machine).
+causal self-attention, the per-token passes between the matmuls, and a decode-sized linear. ``--lanes 8,16``
+builds the kernels for vectors of 8 lanes (AVX2's registers) and of 16 (AVX-512's) in turn: on a machine without
+AVX-512 the 16-lane build runs on pairs of registers, which shows what the width costs there (``native`` is the
+build ``load()`` picks for this machine).
 
 ``--matmuls`` prints a second table for the native build: each linear of the benchmark model at decode row counts
 (``--rows``) through oneDNN's packed matmul (what ``engine.models.cpu_packing`` uses above ``KERNEL_ROWS``), MKL's
@@ -66,7 +66,8 @@ def cases() -> dict[str, Callable[[], object]]:
     found["silu_and_mul, 425 x 688"] = lambda: cpu_kernels.silu_and_mul(gate_up)
     for rows in (1, 13):
         x, packed = randn(rows, 256), cpu_kernels.pack_linear(randn(1376, 256))
-        found[f"linear, {rows} row{'s' * (rows > 1)} x 256 -> 1376"] = lambda x=x, w=packed: cpu_kernels.linear(x, w, None, 1376)
+        name = f"linear, {rows} row{'s' * (rows > 1)} x 256 -> 1376"
+        found[name] = lambda x=x, w=packed: cpu_kernels.linear(x, w, None, 1376)
     return found
 
 
@@ -87,7 +88,8 @@ def matmul_rows(rows: list[int], calls: int) -> list[str]:
             times = [median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""), calls),
                      median_ms(lambda: F.linear(x, weight), calls),
                      median_ms(lambda: cpu_kernels.linear(x, ours, None, out_features), calls)]
-            lines.append(f"| {in_features} x {out_features} | {count} | " + " | ".join(f"{t:.4f}" for t in times) + " |")
+            cells = " | ".join(f"{t:.4f}" for t in times)
+            lines.append(f"| {in_features} x {out_features} | {count} | {cells} |")
     return lines
 
 

@@ -15,8 +15,9 @@ engine hands a stream an output (its first tokens at once: time to first token i
 ``active streams / max_messages_per_s`` seconds (``AsyncLLMEngine``'s ``max_outputs_per_s``), the tokens between
 gathering into the next, and each output is a message. So the replica as a whole sends about
 ``max_messages_per_s`` messages whatever the load: at the default 200 a single stream gets a message every 5 ms (a
-token each while a step takes longer), many streams several tokens a message; and its event loop handles an output per message, not one per step and stream. Leaving the stream early aborts the
-request in the engine, which frees its KV blocks in the next step.
+token each while a step takes longer), many streams several tokens a message; and its event loop handles an output
+per message, not one per step and stream. Leaving the stream early aborts the request in the engine, which frees
+its KV blocks in the next step.
 """
 
 from __future__ import annotations

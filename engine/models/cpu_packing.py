@@ -8,10 +8,11 @@ copies are laid out to be read in order:
 * Up to ``KERNEL_ROWS`` rows (decode steps): ``kernels.cpu_kernels.linear`` on a copy packed as
   [out / 64, in, 64]. oneDNN's matmul costs ~13 us per call before any arithmetic (17 calls a step of the
   benchmark model); this one costs a ctypes call, and streams the weight. A one-row decode step of the benchmark
-  model went from 2.18-2.30 ms to 1.27-1.33 ms on one thread, 6 and 8 rows 12-20% faster, 16 rows level
-  (alternating runs, 2026-12-05). Its sums are oneDNN's, bit for bit (tests/kernels/test_cpu_linear.py), so a
-  row gets the same bits whichever path its batch size takes: at every row count for up to 1,024 inputs; above
-  that oneDNN sums a lone row differently from a batch, and the kernel only takes lone rows there.
+  model went from 2.01-2.26 ms to 1.19-1.25 ms on one thread, 8 rows 19-29% less, 16 rows 5-13% less
+  (``benchmarks.decode_steps``, alternating runs, 2026-12-05); above 16 rows the two were level. Its sums are
+  oneDNN's, bit for bit (tests/kernels/test_cpu_linear.py), so a row gets the same bits whichever path its batch
+  size takes: at every row count for up to 1,024 inputs; above that oneDNN sums a lone row differently from a
+  batch, and the kernel only takes lone rows there.
 * Above: oneDNN's blocked layout, packed once at load. Measured on the 2-core benchmark machine with cold
   caches, 13 rows x the benchmark model's LM head took 1.07 ms against MKL's 2.36 ms on the plain weight,
   and its MLP projections 10-25% less; prefill chunks of 1-2k rows run 5-12% faster too.
