@@ -4,8 +4,8 @@ For each count in ``--rows``: that many requests with ``--prompt-len``-token pro
 ``LLMEngine`` (the benchmark checkpoint, continuous batching, ``--threads`` torch threads) and decode
 ``--tokens`` tokens each, with KV for all of them; the median ``core_step`` after the prompts' steps is reported,
 over ``--repeats`` runs of that count. One stream's time per output token is the one-row step; the rest show where
-a matmul path stops paying. ``--kernel-rows N`` sets ``engine.models.cpu_packing.KERNEL_ROWS`` (the most rows our linear kernel takes
-before oneDNN does) for the run: 0 is oneDNN alone.
+a matmul path stops paying. ``--kernel-rows N`` sets ``engine.models.cpu_packing.KERNEL_ROWS`` (the most rows
+our linear kernel takes before oneDNN does) for the run: 0 is oneDNN alone.
 
     python -m benchmarks.decode_steps --rows 1,2,4,8,16 --threads 1
 """
