@@ -259,7 +259,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     """``x`` [rows, in] (rows contiguous) times the weight ``pack_linear`` packed, plus ``bias``: [rows, out].
     Bit for bit what oneDNN's packed matmul gives for ``in`` up to 1,024 (see the kernel)."""
     _check(x)
-    assert x.stride(1) == 1 and packed.shape[1] == x.shape[1]
+    if x.stride(1) != 1:  # (the model's activations are; a transposed view is copied once)
+        x = x.contiguous()
+    assert packed.shape[1] == x.shape[1], "x's width must be the packed weight's in_features"
     num_rows, k = x.shape
     out = torch.empty((num_rows, out_features), dtype=torch.float32)
     _lib().linear_f32(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),

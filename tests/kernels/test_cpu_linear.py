@@ -76,3 +76,12 @@ def test_rows_may_be_a_strided_view_and_threads_change_no_bit():
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     assert torch.equal(one, onednn(x.contiguous(), weight, None))
+
+
+def test_a_transposed_view_is_taken_as_its_values():
+    torch.manual_seed(2)
+    weight = torch.randn(70, 48) * 0.05
+    x = torch.randn(48, 3).t()  # [3, 48], columns 3 apart
+    assert x.stride(1) != 1
+    got = cpu_kernels.linear(x, cpu_kernels.pack_linear(weight), None, 70)
+    assert torch.equal(got, onednn(x.contiguous(), weight, None))
