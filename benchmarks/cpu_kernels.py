@@ -8,7 +8,7 @@ AVX-512 the 16-lane build runs on pairs of registers, which shows what the width
 build ``load()`` picks for this machine).
 
 ``--matmuls`` prints a second table for the native build: each linear of the benchmark model at decode row counts
-(``--rows``) through oneDNN's packed matmul (what ``engine.models.cpu_packing`` uses above ``KERNEL_ROWS``), MKL's
+(``--rows``) through oneDNN's packed matmul (what ``engine.models.cpu_packing`` uses above ``kernel_rows()``), MKL's
 ``F.linear`` on the plain weight, and our ``cpu_kernels.linear``. Caches are hot here: in the engine a step reads
 more weight than this VM's share of the L3 holds, which favours the layouts read in order (docs/benchmarks.md).
 

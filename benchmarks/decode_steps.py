@@ -5,7 +5,7 @@ For each count in ``--rows``: that many requests with ``--prompt-len``-token pro
 ``--tokens`` tokens each, with KV for all of them; the median ``core_step`` after the prompts' steps is reported,
 over ``--repeats`` runs of that count. One stream's time per output token is the one-row step; the rest show where
 a matmul path stops paying. ``--kernel-rows N`` sets ``engine.models.cpu_packing.KERNEL_ROWS`` (the most rows
-our linear kernel takes before oneDNN does) for the run: 0 is oneDNN alone.
+our linear kernel takes before oneDNN does; by default what the kernels' build says) for the run: 0 is oneDNN alone.
 
     python -m benchmarks.decode_steps --rows 1,2,4,8,16 --threads 1
 """
@@ -38,17 +38,21 @@ def step_times(engine, rows: int, prompt_len: int, tokens: int) -> list[float]:
     return times[PROMPT_STEPS:]
 
 
-def measure(rows: list[int], prompt_len: int, tokens: int, repeats: int, threads: int) -> dict[int, float]:
-    """Median decode step in ms for each row count."""
+def build_engine(max_rows: int, prompt_len: int, tokens: int, threads: int):
+    """Our engine on the benchmark checkpoint with KV for ``max_rows`` requests at full length (the benchmark's 8,000
+    tokens would hold ~11 of 700): no row waits or is preempted, so every step after the prompts decodes all."""
     from benchmarks.workloads import BLOCK_SIZE, build_checkpoint, engine_args
     from engine import LLMEngine
 
+    blocks = max_rows * -(-(prompt_len + tokens) // BLOCK_SIZE) + 1
+    return LLMEngine(str(build_checkpoint()),
+                     **engine_args("continuous", max(64, max_rows), 2048, threads, num_kv_blocks=blocks))
+
+
+def measure(rows: list[int], prompt_len: int, tokens: int, repeats: int, threads: int) -> dict[int, float]:
+    """Median decode step in ms for each row count."""
     torch.set_num_threads(threads)
-    # KV for every row at full length (the benchmark's 8,000 tokens would hold ~11 of 700): no row waits or is
-    # preempted, so every step after the prompts decodes all of them
-    blocks = max(rows) * -(-(prompt_len + tokens) // BLOCK_SIZE) + 1
-    engine = LLMEngine(str(build_checkpoint()),
-                       **engine_args("continuous", max(64, max(rows)), 2048, threads, num_kv_blocks=blocks))
+    engine = build_engine(max(rows), prompt_len, tokens, threads)
     step_times(engine, 1, prompt_len, 20)  # warm-up: oneDNN builds its kernels per row count on first use
     return {count: 1e3 * statistics.median(t for _ in range(repeats)
                                            for t in step_times(engine, count, prompt_len, tokens))

@@ -109,6 +109,7 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.linear_max_rows.argtypes, lib.linear_max_rows.restype = [], i32
     return lib
 
 
@@ -245,6 +246,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 LINEAR_COLS = 64  # output columns per block of a packed weight (the kernel's LINEAR_COLS)
 
 
+def linear_max_rows() -> int:
+    """Up to how many rows ``linear`` should take a matmul on this build (0: the kernels are not built, or the CPU
+    has no FMA instructions)."""
+    lib = load()
+    return lib.linear_max_rows() if lib is not None else 0
+
+
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] float32 in ``linear``'s layout: [ceil(out / 64), in, 64], the columns past ``out`` zero."""
     _check(weight)
@@ -256,12 +264,17 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x`` [rows, in] (rows contiguous) times the weight ``pack_linear`` packed, plus ``bias``: [rows, out].
-    Bit for bit what oneDNN's packed matmul gives for ``in`` up to 1,024 (see the kernel)."""
+    """``x`` [rows, in] times the weight ``pack_linear`` packed, plus ``bias``: [rows, out]. Bit for bit what
+    oneDNN's packed matmul gives (one thread) for 2 outputs or more, ``in`` up to 1,024, and a lone row at any ``in``
+    (see the kernel and tests/kernels/test_cpu_linear.py)."""
     _check(x)
     if x.stride(1) != 1:  # (the model's activations are; a transposed view is copied once)
         x = x.contiguous()
     assert packed.shape[1] == x.shape[1], "x's width must be the packed weight's in_features"
+    assert 0 < out_features <= packed.shape[0] * LINEAR_COLS, "out_features: more than the packed weight holds"
+    if bias is not None:
+        _check(bias)
+        assert bias.shape == (out_features,) and bias.is_contiguous(), "bias: [out_features], contiguous"
     num_rows, k = x.shape
     out = torch.empty((num_rows, out_features), dtype=torch.float32)
     _lib().linear_f32(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),

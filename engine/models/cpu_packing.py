@@ -5,14 +5,15 @@ caches cannot hold the model that read comes from memory every step. Between ste
 keep the weights: a step reads ~16 MB of them and the KV, and its share of the L3 holds ~12-16 MB. So both
 copies are laid out to be read in order:
 
-* Up to ``KERNEL_ROWS`` rows (decode steps): ``kernels.cpu_kernels.linear`` on a copy packed as
+* Up to ``kernel_rows()`` rows (decode steps: 16 with AVX-512): ``kernels.cpu_kernels.linear`` on a copy packed as
   [out / 64, in, 64]. oneDNN's matmul costs ~13 us per call before any arithmetic (17 calls a step of the
   benchmark model); this one costs a ctypes call, and streams the weight. A one-row decode step of the benchmark
   model went from 2.01-2.26 ms to 1.19-1.25 ms on one thread, 8 rows 19-29% less, 16 rows 5-13% less
   (``benchmarks.decode_steps``, alternating runs, 2026-12-05); above 16 rows the two were level. Its sums are
-  oneDNN's, bit for bit (tests/kernels/test_cpu_linear.py), so a row gets the same bits whichever path its batch
-  size takes: at every row count for up to 1,024 inputs; above that oneDNN sums a lone row differently from a
-  batch, and the kernel only takes lone rows there.
+  oneDNN's on one thread, bit for bit (tests/kernels/test_cpu_linear.py), so a row gets the same bits whichever
+  path its batch size takes: at every row count for up to 1,024 inputs; above that oneDNN sums a lone row
+  differently from a batch (and, with several threads, from one thread to another), and the kernel only takes lone
+  rows there; a linear with a single output stays with oneDNN, which sums it another way.
 * Above: oneDNN's blocked layout, packed once at load. Measured on the 2-core benchmark machine with cold
   caches, 13 rows x the benchmark model's LM head took 1.07 ms against MKL's 2.36 ms on the plain weight,
   and its MLP projections 10-25% less; prefill chunks of 1-2k rows run 5-12% faster too.
@@ -41,12 +42,21 @@ from torch import nn
 from kernels import cpu_kernels
 
 EXACT_ROWS = 16  # row counts up to this are used as they are (decode batches); above, padded to a bucket
-KERNEL_ROWS = EXACT_ROWS  # up to this many rows, cpu_kernels.linear (see the module docstring)
+# Up to how many rows cpu_kernels.linear takes a matmul; None: what the kernels' build says (16 with AVX-512, 8 with
+# 8-lane vectors, 0 without FMA instructions: cpu_kernels.linear_max_rows). benchmarks.decode_steps sets it.
+KERNEL_ROWS: int | None = None
 EXACT_KERNEL_IN_FEATURES = 1024  # where cpu_kernels.linear sums as oneDNN's matmul does at every row count
 
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def kernel_rows() -> int:
+    """Up to how many rows a linear goes through ``cpu_kernels.linear``: ``KERNEL_ROWS``, else the build's own limit."""
+    if KERNEL_ROWS is None or cpu_kernels.load() is None:
+        return cpu_kernels.linear_max_rows()  # (0 when the kernels are not built)
+    return KERNEL_ROWS
 
 
 def padded_rows(rows: int) -> int:
@@ -78,16 +88,20 @@ def pack_linear_weights(model: nn.Module, expected_rows: int = 64) -> int:
     ``expected_rows`` is oneDNN's layout hint."""
     if not packing_available():
         return 0
-    kernels = cpu_kernels.load() is not None
+    max_rows = kernel_rows()
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), expected_rows)
-            module.kernel_rows = 0
-            if kernels:
+            # oneDNN's sums, bit for bit (one thread): at every row count up to 1,024 inputs, above only a lone row's
+            if module.out_features < 2:  # a single output oneDNN sums another way
+                module.kernel_rows = 0
+            elif module.in_features <= EXACT_KERNEL_IN_FEATURES:
+                module.kernel_rows = max_rows
+            else:
+                module.kernel_rows = min(max_rows, 1)
+            if module.kernel_rows:
                 module.kernel_weight = cpu_kernels.pack_linear(module.weight)
-                # oneDNN's sums, bit for bit: at every row count up to 1,024 inputs, above only a lone row's
-                module.kernel_rows = KERNEL_ROWS if module.in_features <= EXACT_KERNEL_IN_FEATURES else 1
             module.forward = types.MethodType(_packed_forward, module)
             count += 1
     if count and hasattr(model, "row_padding"):

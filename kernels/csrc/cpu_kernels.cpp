@@ -20,7 +20,9 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 // VL floats as one value of GCC's vector extension, VL the target's widest float register: 16 (a zmm) with
 // AVX-512, else 8 (a ymm with AVX2; two xmm without). Written as locals, a tile's accumulators stay in registers;
@@ -343,6 +345,16 @@ constexpr int LINEAR_VECS = LINEAR_COLS / VL;
 // Rows sharing one read of a weight vector: 4 x 4 accumulators with AVX-512; with 8 lanes a row's 8 fill half
 // of AVX2's 16 registers.
 constexpr int LINEAR_ROWS = VL == 16 ? 4 : 1;
+// Up to how many rows the kernel beats oneDNN's matmul in the engine (benchmarks.decode_steps --kernel-rows,
+// Zen 4, 2026-12-05): with 16 lanes it was still 5-13% ahead at 16 rows and level above; with 8 (one row per
+// read) level at 8 rows and behind at 16.
+constexpr int LINEAR_MAX_ROWS = VL == 16 ? 16 : 8;
+
+#if defined(__FMA__) || defined(__AVX512F__) || defined(__aarch64__) || defined(__ARM_FEATURE_FMA)
+#define INFLIGHT_HARDWARE_FMA 1
+#else
+#define INFLIGHT_HARDWARE_FMA 0
+#endif
 
 // a * b + c rounded once, as oneDNN's FMA instructions compute it.
 static inline vecf fused_mul_add(vecf a, vecf b, vecf c) {
@@ -350,7 +362,7 @@ static inline vecf fused_mul_add(vecf a, vecf b, vecf c) {
     return (vecf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif INFLIGHT_LANES == 8 && defined(__FMA__)
     return (vecf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
+#else  // one lane at a time: an FMA instruction where there is one (aarch64), a slow library call where not
     for (int i = 0; i < VL; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
     return c;
 #endif
@@ -581,6 +593,10 @@ void store_kv_f32(const float* key, const float* value, float* k_cache, float* v
         }
     }
 }
+
+// The most rows ``linear_f32`` should take: 0 without FMA instructions (software FMA is ~60x slower, and oneDNN
+// multiplies and adds apart there, so the bits would differ too).
+int linear_max_rows() { return INFLIGHT_HARDWARE_FMA ? LINEAR_MAX_ROWS : 0; }
 
 // W [n, k] row-major -> packed [ceil(n / 64)][k][64], the columns past n zero.
 void pack_linear_f32(const float* weight, float* packed, int64_t n, int64_t k) {

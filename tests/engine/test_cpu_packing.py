@@ -32,7 +32,7 @@ def test_packed_linears_equal_plain_ones(rows):
 
 @requires_kernels
 def test_packed_paths_are_taken_for_every_row_count():
-    """Packed copies that no longer match the weight show which path ran: the kernel's copy up to KERNEL_ROWS rows
+    """Packed copies that no longer match the weight show which path ran: the kernel's copy up to kernel_rows() rows
     (a lone decode row too), oneDNN's above; never the plain weight."""
     model = make_model()
     layer = model[0]
@@ -40,21 +40,48 @@ def test_packed_paths_are_taken_for_every_row_count():
         cpu_packing.pack_linear_weights(model)
         plain_weight = layer.weight.clone()
         layer.weight.zero_()  # the packed copies keep the old values
-        for rows in (1, 2, cpu_packing.KERNEL_ROWS, cpu_packing.KERNEL_ROWS + 1, 2048):
+        for rows in (1, 2, cpu_packing.kernel_rows(), cpu_packing.kernel_rows() + 1, 2048):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(layer(x), F.linear(x, plain_weight), rtol=1e-5, atol=1e-5)
         layer.kernel_weight.zero_()
-        assert not layer(torch.randn(cpu_packing.KERNEL_ROWS, 64)).any()
-        assert layer(torch.randn(cpu_packing.KERNEL_ROWS + 1, 64)).abs().sum() > 0
+        assert not layer(torch.randn(cpu_packing.kernel_rows(), 64)).any()
+        assert layer(torch.randn(cpu_packing.kernel_rows() + 1, 64)).abs().sum() > 0
 
 
 @requires_kernels
 def test_decode_rows_go_through_the_kernel():
-    assert cpu_packing.KERNEL_ROWS >= 1
+    assert cpu_packing.kernel_rows() == cpu_kernels.linear_max_rows() >= 8  # (0 only without FMA instructions)
     model = make_model()
     with torch.inference_mode():
         cpu_packing.pack_linear_weights(model)
-    assert [layer.kernel_rows for layer in model] == [cpu_packing.KERNEL_ROWS] * 2
+    assert [layer.kernel_rows for layer in model] == [cpu_packing.kernel_rows()] * 2
+
+
+@requires_kernels
+def test_a_single_output_stays_with_onednn():
+    """oneDNN sums a linear with one output another way than the kernel: it keeps every row count."""
+    layer = nn.Linear(64, 1)
+    with torch.inference_mode():
+        cpu_packing.pack_linear_weights(layer)
+        x = torch.randn(3, 64)
+        assert torch.equal(layer(x[:1]), layer(x)[:1])
+    assert layer.kernel_rows == 0 and not hasattr(layer, "kernel_weight")
+
+
+def test_without_the_kernels_every_row_count_goes_to_onednn(monkeypatch):
+    """No compiler, a failed build or INFLIGHT_CPU_KERNELS=0: oneDNN's copy serves every row, a lone one too."""
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(cpu_packing, "KERNEL_ROWS", 16)  # an override cannot send rows to a kernel that is not there
+    model = make_model()
+    layer = model[0]
+    with torch.inference_mode():
+        cpu_packing.pack_linear_weights(model)
+        assert [m.kernel_rows for m in model] == [0, 0] and not hasattr(layer, "kernel_weight")
+        plain_weight = layer.weight.clone()
+        layer.weight.zero_()  # oneDNN's copy keeps the old values
+        for rows in (1, 2, 17):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(layer(x), F.linear(x, plain_weight), rtol=1e-5, atol=1e-5)
 
 
 @requires_kernels

@@ -1,6 +1,6 @@
 """kernels.cpu_kernels.linear, the decode-sized matmul, against oneDNN's packed matmul bit for bit.
 
-The engine runs a linear of up to ``cpu_packing.KERNEL_ROWS`` rows through this kernel and larger ones through
+The engine runs a linear of up to ``cpu_packing.kernel_rows()`` rows through this kernel and larger ones through
 oneDNN (engine/models/cpu_packing.py). A sequence's tokens must not depend on how many others shared its step,
 so the kernel has to give exactly oneDNN's bits: ``torch.equal``, not a tolerance. F.linear on the plain weight
 is the independent reference for the values.
@@ -49,12 +49,35 @@ def test_linear_gives_onednn_bits_up_to_1024_inputs(in_features, out_features, b
 
 @pytest.mark.parametrize("in_features", [1376, 2048])
 def test_a_lone_row_gets_onednn_bits_above_1024_inputs(in_features, lanes):
-    """Above 1,024 inputs oneDNN sums a lone row in blocks of 512, as the kernel does (a batch another way)."""
-    torch.manual_seed(in_features)
-    weight = torch.randn(96, in_features) * 0.05
-    x = torch.randn(1, in_features)
-    got = cpu_kernels.linear(x, cpu_kernels.pack_linear(weight), None, 96)
-    assert torch.equal(got, onednn(x, weight, None))
+    """Above 1,024 inputs oneDNN sums a lone row on one thread in blocks of 512, as the kernel does (a batch
+    another way, and with more threads it may split the inputs between them). The engine decodes a lone row on one
+    thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(in_features)
+        weight = torch.randn(96, in_features) * 0.05
+        x = torch.randn(1, in_features)
+        got = cpu_kernels.linear(x, cpu_kernels.pack_linear(weight), None, 96)
+        assert torch.equal(got, onednn(x, weight, None))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_build_says_how_many_rows_the_kernel_takes(lanes):
+    """With FMA instructions: 16 rows with 16 lanes (4 rows share a read), 8 with 8 (a row a read); without, none:
+    a software FMA is ~60x slower."""
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    assert cpu_kernels.linear_max_rows() == ((16 if lanes == 16 else 8) if "fma" in flags else 0)
+
+
+def test_a_bias_or_width_that_does_not_fit_is_refused():
+    packed = cpu_kernels.pack_linear(torch.randn(70, 48))
+    x = torch.randn(2, 48)
+    with pytest.raises(AssertionError, match="out_features"):
+        cpu_kernels.linear(x, packed, None, 129)  # the packed weight holds 2 blocks of 64 columns
+    with pytest.raises(AssertionError, match="bias"):
+        cpu_kernels.linear(x, packed, torch.randn(69), 70)
 
 
 def test_rows_may_be_a_strided_view_and_threads_change_no_bit():
