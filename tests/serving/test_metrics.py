@@ -68,7 +68,9 @@ def _make_traffic(base: str) -> dict[str, int]:
             *squeezed, timed_out = await gather_bounded(squeeze + [timeout], timeout=60)
             assert [r.status_code for r in squeezed] == [200] * 3, [r.text[:200] for r in squeezed]
             assert timed_out.status_code == 504, timed_out.text
-            burst = [client.post("/v1/completions", json=completion_body(f"burst {i}", max_tokens=48,
+            # Long enough that the burst is still in flight when its last request arrives: at 48 tokens a faster
+            # engine finished requests as quickly as the client sent them, and the router's bound was never met.
+            burst = [client.post("/v1/completions", json=completion_body(f"burst {i}", max_tokens=200,
                                                                          ignore_eos=True)) for i in range(90)]
             for response in [*squeezed, timed_out, *await gather_bounded(burst, timeout=60)]:
                 seen[response.status_code] += 1
