@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,6 @@ def load() -> ctypes.CDLL | None:
         "silu_and_mul_f32": [ptr, ptr, i64, i64, i64, i32],
         "rope_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
         "store_kv_f32": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32],
-        "pack_linear_f32": [ptr, ptr, i64, i64],
         "linear_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
@@ -256,11 +256,9 @@ def linear_max_rows() -> int:
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] float32 in ``linear``'s layout: [ceil(out / 64), in, 64], the columns past ``out`` zero."""
     _check(weight)
-    weight = weight.detach().contiguous()
     n, k = weight.shape
-    packed = torch.empty((-(-n // LINEAR_COLS), k, LINEAR_COLS), dtype=torch.float32)
-    _lib().pack_linear_f32(weight.data_ptr(), packed.data_ptr(), n, k)
-    return packed
+    blocks = F.pad(weight.detach(), (0, 0, 0, -n % LINEAR_COLS)).reshape(-1, LINEAR_COLS, k)  # [block, column, in]
+    return blocks.transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

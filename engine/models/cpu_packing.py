@@ -54,9 +54,9 @@ def packing_available() -> bool:
 
 def kernel_rows() -> int:
     """Up to how many rows a linear goes through ``cpu_kernels.linear``: ``KERNEL_ROWS``, else the build's own limit."""
-    if KERNEL_ROWS is None or cpu_kernels.load() is None:
-        return cpu_kernels.linear_max_rows()  # (0 when the kernels are not built)
-    return KERNEL_ROWS
+    if cpu_kernels.load() is None:
+        return 0
+    return KERNEL_ROWS if KERNEL_ROWS is not None else cpu_kernels.linear_max_rows()
 
 
 def padded_rows(rows: int) -> int:

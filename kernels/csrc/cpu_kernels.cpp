@@ -598,19 +598,8 @@ void store_kv_f32(const float* key, const float* value, float* k_cache, float* v
 // multiplies and adds apart there, so the bits would differ too).
 int linear_max_rows() { return INFLIGHT_HARDWARE_FMA ? LINEAR_MAX_ROWS : 0; }
 
-// W [n, k] row-major -> packed [ceil(n / 64)][k][64], the columns past n zero.
-void pack_linear_f32(const float* weight, float* packed, int64_t n, int64_t k) {
-    const int64_t num_blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
-    for (int64_t b = 0; b < num_blocks; ++b)
-        for (int64_t kk = 0; kk < k; ++kk)
-            for (int64_t c = 0; c < LINEAR_COLS; ++c) {
-                const int64_t col = b * LINEAR_COLS + c;
-                packed[(b * k + kk) * LINEAR_COLS + c] = col < n ? weight[col * k + kk] : 0.f;
-            }
-}
-
-// y [num_rows, n] (contiguous) = x [num_rows, k] (row stride stride_x) W^T + bias (nullptr: none), W packed by
-// pack_linear_f32. Column blocks split over threads when there is enough work.
+// y [num_rows, n] (contiguous) = x [num_rows, k] (row stride stride_x) W^T + bias (nullptr: none), W packed as
+// [ceil(n / 64)][k][64] with the columns past n zero (kernels/cpu_kernels.py's pack_linear). Column blocks split over threads when there is enough work.
 void linear_f32(const float* x, const float* packed, const float* bias, float* y, int64_t num_rows, int64_t n,
                 int64_t k, int64_t stride_x, int num_threads) {
     const int64_t num_blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
