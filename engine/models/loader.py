@@ -1,18 +1,21 @@
-"""Load a Hugging Face checkpoint directory (or the built-in ``demo-tiny``) into a ``CausalLM``.
+"""Load a checkpoint into a ``CausalLM``: a Hugging Face directory, a GGUF file, or the built-in ``demo-tiny``.
 
-Reads ``config.json``, ``*.safetensors`` (sharded through ``model.safetensors.index.json`` too),
-``tokenizer.json``/``tokenizer_config.json`` and ``generation_config.json`` (for eos ids).
+A directory's weights are its ``*.safetensors`` (sharded through ``model.safetensors.index.json`` too); a GGUF
+file's come dequantized from ``engine.models.gguf_checkpoint``. Either way they arrive under Hugging Face's
+names and go through one placing step, which fuses q/k/v and gate/up.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
-from engine.models.source import DEMO_TINY, ModelSource
+from engine.models.gguf_checkpoint import read_gguf_tensors
+from engine.models.source import ModelSource
 from engine.models.llama import CausalLM
 from kernels import AttentionBackend
 
@@ -38,14 +41,16 @@ def build_model(source: ModelSource, backend: AttentionBackend, max_positions: i
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     model.rotary.reset_tables()
-    if source.name == DEMO_TINY:
+    if source.weight_format == "builtin":
         from engine.models import demo_tiny
 
         demo_tiny.init_weights(model)
     elif load_format == "dummy":
         init_dummy_weights(model)
+    elif source.weight_format == "gguf":
+        load_weights(model, read_gguf_tensors(Path(source.name), source.config), Path(source.name).name)
     else:
-        load_weights(model, Path(source.name))
+        load_weights(model, read_safetensors(Path(source.name)), source.name)
     return model.eval()
 
 
@@ -73,37 +78,43 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: CausalLM, path: Path) -> None:
+def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """Copy ``tensors`` (Hugging Face names) into the model's parameters, converting to their dtype; every
+    parameter must be given once. ``where`` names the checkpoint in errors."""
     params = dict(model.named_parameters())
     missing = set(params)
     cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     split_sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
-                if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
-                    continue
-                if "rotary_emb" in hf_name:
-                    continue
-                name, fused, shard = hf_name, None, 0
-                for hf_part, (our_part, index) in _FUSED.items():
-                    if f".{hf_part}." in hf_name:
-                        name, fused, shard = hf_name.replace(hf_part, our_part), our_part, index
-                        break
-                if name not in params:
-                    raise ValueError(f"model: unexpected weight {hf_name!r} in {file.name}")
-                target = params[name].data
-                if fused is not None:
-                    sizes = split_sizes[fused]
-                    start = sum(sizes[:shard])
-                    target = target[start:start + sizes[shard]]
-                tensor = f.get_tensor(hf_name)
-                if tensor.shape != target.shape:
-                    raise ValueError(f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(target.shape)}")
-                target.copy_(tensor)
-                missing.discard(name)
+    for hf_name, tensor in tensors:
+        if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
+            continue
+        if "rotary_emb" in hf_name:
+            continue
+        name, fused, shard = hf_name, None, 0
+        for hf_part, (our_part, index) in _FUSED.items():
+            if f".{hf_part}." in hf_name:
+                name, fused, shard = hf_name.replace(hf_part, our_part), our_part, index
+                break
+        if name not in params:
+            raise ValueError(f"model: unexpected weight {hf_name!r} in {where}")
+        target = params[name].data
+        if fused is not None:
+            sizes = split_sizes[fused]
+            start = sum(sizes[:shard])
+            target = target[start:start + sizes[shard]]
+        if tensor.shape != target.shape:
+            raise ValueError(f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(tensor)
+        missing.discard(name)
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
