@@ -49,11 +49,13 @@ class StructuredOutput:
             raise ValueError(f"structured_outputs: kind must be one of {KINDS}, got {str(self.kind)[:40]!r}")
         spec = self.spec
         if self.kind == "json":
+            # One cache key per schema text. Keys keep their order: the grammar writes an object's properties in
+            # the order the schema lists them (a tool call's "name" before its "arguments").
             if isinstance(spec, dict):
-                spec = json.dumps(spec, sort_keys=True, separators=(",", ":"))  # one cache key per schema
+                spec = json.dumps(spec, separators=(",", ":"))
             elif isinstance(spec, str):
                 try:
-                    spec = json.dumps(json.loads(spec), sort_keys=True, separators=(",", ":"))
+                    spec = json.dumps(json.loads(spec), separators=(",", ":"))
                 except ValueError as e:
                     raise ValueError(f"structured_outputs: the JSON schema is not JSON: {e}") from None
             else:

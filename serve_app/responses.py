@@ -70,6 +70,14 @@ def completion_response(request_id: str, model: str, choices: list[ChoiceState],
     }
 
 
+def finish_reason(engine_reason: str | None, calls: list) -> str:
+    """OpenAI's finish reason of a chat choice: "length" whenever the token budget cut it (a call among ``calls``
+    may then be cut too), else "tool_calls" when it made calls."""
+    if calls and engine_reason != "length":
+        return "tool_calls"
+    return FINISH_REASONS.get(engine_reason, "stop")
+
+
 def chat_response(request_id: str, model: str, choices: list[ChoiceState], prompt_tokens: int,
                   with_logprobs: bool, tool_reader: Callable[[str], tuple[str | None, list]] | None = None
                   ) -> dict[str, Any]:
@@ -77,9 +85,8 @@ def chat_response(request_id: str, model: str, choices: list[ChoiceState], promp
     def message_and_reason(c: ChoiceState) -> tuple[dict[str, Any], str]:
         content, calls = tool_reader(c.text) if tool_reader is not None else (c.text, [])
         message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
-        if calls:
-            return {**message, "tool_calls": calls}, "tool_calls"
-        return message, FINISH_REASONS.get(c.finish_reason, "stop")
+        reason = finish_reason(c.finish_reason, calls)
+        return ({**message, "tool_calls": calls} if calls else message), reason
 
     answers = [(c, *message_and_reason(c)) for c in choices]
     return {

@@ -915,7 +915,7 @@ class Router:
                                      else {"content": content or ""})
                             add(R.sse(R.chat_chunk(request_id, model, created, choice["index"], delta, None, None)))
                             add(R.sse(R.chat_chunk(request_id, model, created, choice["index"], {},
-                                                   "tool_calls" if calls else reason, None)))
+                                                   R.finish_reason(reason, calls), None)))
                     elif kind == "chat":
                         delta = {"content": choice["text"]} if choice["text"] or not reason else {}
                         logprobs = choice.get("logprobs") if body.logprobs else None

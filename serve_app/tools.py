@@ -114,12 +114,30 @@ def read_calls(text: str, tools: list[Tool], tool_choice: ToolChoice | None) -> 
     if tool_choice == "required":
         try:
             calls = json.loads(text)
-        except ValueError:  # cut by max_tokens before the JSON closed: hand back what there is
-            return text, []
+        except ValueError:  # cut by max_tokens before the JSON closed
+            return None, _cut_calls(text)
         return None, [tool_call(c["name"], c["arguments"]) for c in calls]
     if not tools or tool_choice == "none":
         return text, []
     return _read_auto(text, {t.function.name for t in tools})
+
+
+_CALL_START = re.compile(r'\{"name":\s*"((?:[^"\\]|\\.)*)",\s*"arguments":\s*')
+
+
+def _cut_calls(text: str) -> list[dict]:
+    """The calls of a ``required`` array cut short by the token budget, as OpenAI returns a cut call: each call
+    whose name was written, the last one's arguments as far as they got (not yet valid JSON). The grammar
+    writes ``name`` before ``arguments`` and no blanks of its own, so each call starts as ``_CALL_START``."""
+    starts = list(_CALL_START.finditer(text))
+    calls = []
+    for i, start in enumerate(starts):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+        arguments = text[start.end():end]
+        if i + 1 < len(starts):  # a whole call: its arguments, then "}," before the next
+            arguments = arguments.rstrip().removesuffix(",").rstrip().removesuffix("}")
+        calls.append(tool_call(json.loads(f'"{start.group(1)}"'), arguments))
+    return calls
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
