@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from engine.cpu_list import parse_cpu_list
 from engine.engine_core import EngineCoreProcess, StepReport, StepThread
+from engine.models.packaged import DEFAULT_MODEL
 from engine.models.source import read_model_source
 from engine.output_processor import CoreRecord, OutputProcessor
 from engine.outputs import DeadlineUnmeetableError, RequestOutput
@@ -63,7 +64,7 @@ class AsyncLLMEngine:
     (``serve_app.replica``) so spends its event loop per interval, not per step and stream. None: an output per
     step that gave a stream something."""
 
-    def __init__(self, model: str = "demo-tiny", *, engine: LLMEngine | None = None, engine_process: bool = False,
+    def __init__(self, model: str = DEFAULT_MODEL, *, engine: LLMEngine | None = None, engine_process: bool = False,
                  engine_cpus: str | None = None, max_outputs_per_s: float | None = None, **engine_args: Any) -> None:
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._lock = threading.Lock()  # guards the view and the adds it does not hold yet (the reporting thread)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from engine.models.packaged import DEFAULT_MODEL
 from engine.speculative.config import SpeculativeConfig
 
 BatchingMode = Literal["continuous", "static"]
@@ -25,7 +26,7 @@ class EngineConfig:
     in ``kv_cache_memory_bytes``, or (on CUDA) ``gpu_memory_utilization`` of the device.
     """
 
-    model: str = "demo-tiny"
+    model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -97,7 +98,7 @@ class EngineConfig:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
         if not isinstance(self.model, str) or not self.model:
-            raise bad("model", "must be a checkpoint path or 'demo-tiny'")
+            raise bad("model", "must be a packaged model's name, a checkpoint path, or 'demo-tiny'")
         if self.device not in DEVICES:
             raise bad("device", f"must be one of {DEVICES}")
         if self.dtype not in DTYPES:

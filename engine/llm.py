@@ -7,12 +7,13 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from engine.llm_engine import LLMEngine, PromptInput
+from engine.models.packaged import DEFAULT_MODEL
 from engine.outputs import RequestOutput
 from engine.sampling_params import PoolingParams, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "demo-tiny", **engine_args: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.engine = LLMEngine(model, **engine_args)
         self._next_id = 0
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 
 from engine.config import EngineConfig
 from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
+from engine.models.packaged import DEFAULT_MODEL
 from engine.models.source import read_model_source
 from engine.model_runner import (LaunchedStep, ModelRunner, PromptOutput, RunnerOutput, SharedBudget, resolve_device,
                                  resolve_dtype)
@@ -61,7 +62,7 @@ class LLMEngine:
     A request that finishes, is aborted or times out gives its slot and blocks back in that step.
     """
 
-    def __init__(self, model: str = "demo-tiny", **engine_args: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         source = read_model_source(model)
         self.model_config = source.config

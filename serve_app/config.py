@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.config import EngineConfig
 from engine.cpu_list import parse_cpu_list
+from engine.models.packaged import DEFAULT_MODEL
 from serve_app.admission import TenantLimits
 from serve_app.autoscaling import POLICY_PATH, LLMLoadPolicy
 
@@ -16,7 +17,7 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     served_model_name: str
-    model: str = "demo-tiny"  # what the replicas load: the router reads its tokenizer for prefix affinity
+    model: str = DEFAULT_MODEL  # what the replicas load: the router reads its tokenizer for prefix affinity
     routing_policy: str = "least_loaded"
     max_pending_requests: int = Field(default=256, ge=1)  # in flight through one router; more get 429
     default_timeout_s: float = Field(default=120.0, gt=0)  # deadline when a request brings no `timeout`
@@ -35,7 +36,7 @@ class AppConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "demo-tiny"
+    model: str = DEFAULT_MODEL  # a packaged model's name, a .gguf file, a checkpoint directory, or demo-tiny
     served_model_name: str | None = None
     engine_args: dict[str, Any] = Field(default_factory=dict)
     num_replicas: int | Literal["auto"] = 1

@@ -34,6 +34,7 @@ from ray import serve
 from engine import (AsyncLLMEngine, Continuation, DeadlineUnmeetableError, EngineDeadError, PoolingParams,
                     SamplingParams)
 from engine.outputs import RequestOutput
+from engine.models.packaged import DEFAULT_MODEL
 from serve_app.admission import DrainRate
 from serve_app.autoscaling import autoscaling_metrics
 from serve_app.errors import (APIError, BadRequestError, EngineLost, OverloadedError, RequestTimeoutError,
@@ -48,7 +49,7 @@ STRUCTURED_COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile
 
 
 class LLMReplica:
-    def __init__(self, model: str = "demo-tiny", engine_args: dict[str, Any] | None = None,
+    def __init__(self, model: str = DEFAULT_MODEL, engine_args: dict[str, Any] | None = None,
                  served_model_name: str | None = None, max_queued_requests: int = 256,
                  max_messages_per_s: float = 200.0, engine_cls: type = AsyncLLMEngine,
                  engine_process: bool = False, engine_cpus: str | None = None,

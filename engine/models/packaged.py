@@ -49,15 +49,10 @@ def packaged_model_path(name: str) -> Path:
     raise ValueError(f"model {name!r}: the installed {model.distribution} {dist.version} has no {model.file}; {how}")
 
 
-def is_packaged_model_available(name: str = DEFAULT_MODEL) -> bool:
-    try:
-        packaged_model_path(name)
-    except ValueError:
-        return False
-    return True
-
-
-if __name__ == "__main__":  # `python -m engine.models.packaged [NAME]`: exit 0 when the model is installed
+if __name__ == "__main__":  # `python -m engine.models.packaged [NAME]`: its file's path, or why it is missing
     import sys
 
-    sys.exit(0 if is_packaged_model_available(*sys.argv[1:]) else 1)
+    try:
+        print(packaged_model_path(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL))
+    except ValueError as e:
+        sys.exit(str(e))
