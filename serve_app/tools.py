@@ -127,15 +127,16 @@ _CALL_START = re.compile(r'\{"name":\s*"((?:[^"\\]|\\.)*)",\s*"arguments":\s*')
 
 def _cut_calls(text: str) -> list[dict]:
     """The calls of a ``required`` array cut short by the token budget, as OpenAI returns a cut call: each call
-    whose name was written, the last one's arguments as far as they got (not yet valid JSON). The grammar
-    writes ``name`` before ``arguments`` and no blanks of its own, so each call starts as ``_CALL_START``."""
-    starts = list(_CALL_START.finditer(text))
+    whose name was written, with its arguments whole where they closed, else as far as they got (not yet valid
+    JSON). The grammar writes ``name`` before ``arguments``, so each call starts as ``_CALL_START``."""
     calls = []
-    for i, start in enumerate(starts):
-        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
-        arguments = text[start.end():end]
-        if i + 1 < len(starts):  # a whole call: its arguments, then "}," before the next
-            arguments = arguments.rstrip().removesuffix(",").rstrip().removesuffix("}")
+    for start in _CALL_START.finditer(text):
+        rest = text[start.end():]
+        try:
+            _, end = json.JSONDecoder().raw_decode(rest)
+            arguments = rest[:end]
+        except ValueError:  # the one the budget cut
+            arguments = rest
         calls.append(tool_call(json.loads(f'"{start.group(1)}"'), arguments))
     return calls
 

@@ -27,6 +27,7 @@ def test_a_required_call_writes_its_name_before_its_arguments():
     ('[{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci')]),
     ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {"ci',
      [("get_weather", '{"city": "Paris"}'), ("get_time", '{"ci')]),
+    ('[{"name": "get_time", "arguments": {"city": "Oslo"}}', [("get_time", '{"city": "Oslo"}')]),  # no "]" yet
     ('[{"name": "get_wea', []),  # no name written whole: no call
     ('[{"name":"get_time","arguments":{"city":"Oslo"}},{"name":"get_weather","arguments":',
      [("get_time", '{"city":"Oslo"}'), ("get_weather", "")]),
