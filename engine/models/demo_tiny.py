@@ -56,7 +56,8 @@ def source():
     from engine.models.source import DEMO_TINY, ModelSource
 
     tokenizer = build_tokenizer()
-    return ModelSource(DEMO_TINY, model_config(), tokenizer, frozenset({tokenizer.eos_token_id}), weight_format="builtin")
+    return ModelSource(DEMO_TINY, model_config(), tokenizer, frozenset({tokenizer.eos_token_id}),
+                       weight_format="builtin")
 
 
 def init_weights(model: CausalLM) -> None:

@@ -221,7 +221,8 @@ def _cache_root() -> Path:
 
 def _cache_key(path: Path) -> str:
     stat = path.stat()
-    return hashlib.sha256(f"{CACHE_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    key = f"{CACHE_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def cached_description(path: Path) -> dict[str, Any]:
@@ -321,7 +322,8 @@ def read_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
             continue
         array = quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dimensions innermost first
-        tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)  # a copy: F32 data is the read-only map
+        # A copy: an F32 tensor's data is a view of the read-only file map.
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
         suffix = t.name.split(".", 2)[-1]
         if arch in PERMUTED_QK and suffix in heads:
             tensor = _unpermute(tensor, heads[suffix])
