@@ -33,6 +33,8 @@ class EngineRun:
     steps: list[StepSample]
     records: list[Any] = field(default_factory=list)  # the engine's StepRecords, when asked for
     num_preemptions: int = 0
+    # tokens each request got (None: exactly its max_tokens); fewer where a request stopped at end of sequence
+    output_tokens: list[int] | None = None
 
     @property
     def span_s(self) -> float:
@@ -47,8 +49,12 @@ class EngineRun:
         return [t - a for t, a in zip(self.first_token_s, self.arrivals_s)]
 
     @property
+    def output_lens(self) -> list[int]:
+        return list(self.output_tokens) if self.output_tokens is not None else [r.max_tokens for r in self.requests]
+
+    @property
     def useful_tokens(self) -> int:
-        return sum(r.max_tokens for r in self.requests)
+        return sum(self.output_lens)
 
     @property
     def tokens_per_s(self) -> float:
@@ -56,7 +62,7 @@ class EngineRun:
 
     def waste(self) -> TokenWaste:
         step_summary = summarize_steps(self.steps, self.limits)
-        useful = useful_computed_tokens([r.prompt_len for r in self.requests], [r.max_tokens for r in self.requests])
+        useful = useful_computed_tokens([r.prompt_len for r in self.requests], self.output_lens)
         return TokenWaste(step_summary["computed_tokens"], useful, step_summary["padding_tokens"])
 
     def diagnosis(self) -> KVDiagnosis | None:
@@ -101,7 +107,8 @@ def engine_limits(engine) -> EngineLimits:
 def run_engine(engine, requests: Sequence[BenchRequest], arrivals_s: Sequence[float] | None = None,
                desc: str = "", keep_records: bool = False) -> EngineRun:
     """Feed ``requests`` to ``engine`` at ``arrivals_s`` (default: all at 0, which must be sorted) on the
-    step clock; step until every request is done. Each must get exactly its ``max_tokens``."""
+    step clock; step until every request is done. Each must get exactly its ``max_tokens`` (at most, if it
+    stops at end of sequence: ``ignore_eos`` False)."""
     arrivals = list(arrivals_s) if arrivals_s is not None else [0.0] * len(requests)
     if any(b < a for a, b in zip(arrivals, arrivals[1:])):
         raise ValueError("arrivals_s must be sorted")
@@ -136,11 +143,22 @@ def run_engine(engine, requests: Sequence[BenchRequest], arrivals_s: Sequence[fl
                         bar.update(1)
     finally:
         engine.step_listener = None
-    wrong = [(i, n, r.max_tokens) for i, (n, r) in enumerate(zip(tokens, requests)) if n != r.max_tokens]
-    if wrong:
-        i, got, wanted = wrong[0]
-        raise RuntimeError(f"{len(wrong)} request(s) got the wrong number of tokens (request {i}: {got}, "
-                           f"asked for {wanted})")
+    check_output_lens(tokens, requests)
     return EngineRun(engine_limits(engine), requests, arrivals, first_token, finished,  # type: ignore[arg-type]
                      [step_sample(r) for r in records], records if keep_records else [],
-                     engine.scheduler.num_preemptions - preemptions_before)
+                     engine.scheduler.num_preemptions - preemptions_before, tokens)
+
+
+def check_output_lens(tokens: Sequence[int], requests: Sequence[BenchRequest], system: str = "") -> None:
+    """``RuntimeError`` unless each request got its ``max_tokens``, or, stopping at end of sequence, 1 to that many
+    (a request that generates nothing, 0)."""
+    def right(n: int, r: BenchRequest) -> bool:
+        if r.ignore_eos or r.max_tokens == 0:
+            return n == r.max_tokens
+        return 1 <= n <= r.max_tokens
+
+    wrong = [(i, n, r.max_tokens) for i, (n, r) in enumerate(zip(tokens, requests)) if not right(n, r)]
+    if wrong:
+        i, got, wanted = wrong[0]
+        raise RuntimeError(f"{system + ': ' if system else ''}{len(wrong)} request(s) got the wrong number of tokens "
+                           f"(request {i}: {got}, asked for {wanted})")

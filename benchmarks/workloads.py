@@ -3,9 +3,11 @@
 * ``build_checkpoint`` writes a random-weight ``LlamaForCausalLM`` (hidden 256, 4 layers, 8 heads,
   4 KV heads, intermediate 688, vocab 4096, 2048 positions, fp32) with transformers, plus a
   4096-entry word-level tokenizer, into a cache directory (built once, then reused).
-* ``WORKLOADS`` names the request mixes (``seed`` is the seed document's: prompts of 50-800 tokens
-  asking for 20-200 output tokens each; ``prefill-only`` puts prompt-scoring and embedding requests,
-  which generate nothing, among the seed's); ``build_workload`` draws one, reproducibly from a seed;
+* ``WORKLOADS`` names the request mixes (``seed`` is the seed document's: prompts of 50-800 random token
+  ids asking for 20-200 output tokens each, end of sequence ignored; ``prefill-only`` puts prompt-scoring and
+  embedding requests, which generate nothing, among the seed's; ``chat`` is real text: conversations rendered
+  through the model's chat template that stop at its end of turn); ``build_workload`` draws one, reproducibly
+  from a seed, for a model (``benchmarks.models``: which token ids a prompt may hold, the chat template);
   ``trace_workload`` turns a JSONL trace (``benchmarks.arrivals``) into requests and arrival times.
 * ``engine_args`` is the KV budget every system gets: 8 x 1,000 = 8,000 tokens.
 * ``add_workload_args`` and ``add_engine_args`` are the flags the benchmarks share; ``workload_from_args``
@@ -115,20 +117,73 @@ class BenchRequest:
     kind: RequestKind = "generate"
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
+    # True: exactly max_tokens tokens; False: the request may stop earlier, at the model's end of sequence
+    ignore_eos: bool = True
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
 
 
+TOY_TOKEN_RANGE = (FIRST_WORD_ID, VOCAB_SIZE)  # the benchmark checkpoint's ordinary tokens
+
+
 def seed_workload(num_requests: int, seed: int = 0, prompt_len_range: Sequence[int] = PROMPT_LEN_RANGE,
-                  output_len_range: Sequence[int] = OUTPUT_LEN_RANGE) -> list[BenchRequest]:
-    """``num_requests`` random prompts; lengths uniform in the (inclusive) ranges; the same for a given seed."""
+                  output_len_range: Sequence[int] = OUTPUT_LEN_RANGE,
+                  token_range: Sequence[int] = TOY_TOKEN_RANGE) -> list[BenchRequest]:
+    """``num_requests`` prompts of token ids drawn uniformly from ``token_range`` ([low, high)); lengths uniform in
+    the (inclusive) ranges; the same for a given seed. A model's range: ``benchmarks.models.BenchModel.token_range``."""
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(prompt_len_range[0], prompt_len_range[1] + 1, size=num_requests)
     output_lens = rng.integers(output_len_range[0], output_len_range[1] + 1, size=num_requests)
-    return [BenchRequest(rng.integers(FIRST_WORD_ID, VOCAB_SIZE, size=int(p)).tolist(), int(o))
+    return [BenchRequest(rng.integers(token_range[0], token_range[1], size=int(p)).tolist(), int(o))
             for p, o in zip(prompt_lens, output_lens)]
+
+
+def chat_workload(num_requests: int, model, seed: int = 0, prompt_len_range: Sequence[int] = PROMPT_LEN_RANGE,
+                  output_len_range: Sequence[int] = OUTPUT_LEN_RANGE) -> list[BenchRequest]:
+    """``num_requests`` one-turn conversations through ``model``'s chat template (``model``: a
+    ``benchmarks.models.BenchModel``): a question (``benchmarks.chat_texts.QUESTIONS``) about a passage of this
+    repository's documents, cut so that the rendered prompt has about a length drawn uniformly from
+    ``prompt_len_range`` (tokens); ``max_tokens`` uniform in ``output_len_range``; each request stops at the model's
+    end of turn (``ignore_eos`` False). The same for a given seed and model. ``ValueError`` for a model without a
+    chat template."""
+    from benchmarks.chat_texts import QUESTIONS, passages
+
+    tokenizer = model.tokenizer
+    if not tokenizer.chat_template:
+        raise ValueError(f"--workload chat: model {model.name} has no chat template (the chat workload renders "
+                         f"conversations through it); use --model {_default_model()} or another model with one")
+    texts = passages()
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(prompt_len_range[0], prompt_len_range[1] + 1, size=num_requests)
+    output_lens = rng.integers(output_len_range[0], output_len_range[1] + 1, size=num_requests)
+    questions = rng.integers(0, len(QUESTIONS), size=num_requests)
+    starts = rng.integers(0, len(texts), size=num_requests)
+    requests = []
+    for target, output_len, question, start in zip(prompt_lens, output_lens, questions, starts):
+        template = QUESTIONS[question]
+
+        def render(passage: str) -> list[int]:
+            messages = [{"role": "user", "content": template.format(passage=passage)}]
+            return tokenizer.chat_prompt(messages)["prompt_token_ids"]
+
+        budget = max(1, int(target) - len(render("")))  # the passage's share of the prompt, in tokens
+        passage_ids: list[int] = []
+        i = int(start)
+        while len(passage_ids) < budget:  # consecutive paragraphs from the chosen one on, wrapping around
+            passage_ids += tokenizer.encode(("\n\n" if passage_ids else "") + texts[i % len(texts)],
+                                            add_special_tokens=False)
+            i += 1
+        passage = tokenizer.decode(passage_ids[:budget]).strip()
+        requests.append(BenchRequest(render(passage), int(output_len), ignore_eos=False))
+    return requests
+
+
+def _default_model() -> str:
+    from benchmarks.models import default_model
+
+    return default_model()
 
 
 @dataclass(frozen=True)
@@ -143,6 +198,8 @@ class WorkloadSpec:
     prefill_only_mix: bool = False
     # each prompt is extended by the checkpoint's own continuation of it (benchmarks.speculative.copy_heavy)
     copy_heavy: bool = False
+    # real text: conversations through the model's chat template, stopping at its end of turn (chat_workload)
+    chat: bool = False
 
 
 WORKLOADS = {
@@ -162,22 +219,35 @@ WORKLOADS = {
                          "them (120 tokens, built at start), outputs 100-200 that go on repeating spans of the prompt "
                          "(speculative decoding's case, see benchmarks.speculative)", (50, 300), (100, 200),
                          copy_heavy=True),
+    "chat": WorkloadSpec("real text: a question about a passage of this repository's documents through the model's "
+                         "chat template, prompts of about 50-800 tokens, outputs up to 20-200 tokens that stop at the "
+                         "model's end of turn (needs a model with a chat template)", PROMPT_LEN_RANGE,
+                         OUTPUT_LEN_RANGE, chat=True),
 }
 
 
 def build_workload(name: str, num_requests: int, seed: int = 0, prompt_lens: Sequence[int] | None = None,
-                   output_lens: Sequence[int] | None = None) -> list[BenchRequest]:
-    """``num_requests`` requests of the named workload; ``prompt_lens``/``output_lens`` (MIN, MAX) override its ranges."""
+                   output_lens: Sequence[int] | None = None, model=None) -> list[BenchRequest]:
+    """``num_requests`` requests of the named workload; ``prompt_lens``/``output_lens`` (MIN, MAX) override its ranges.
+    ``model`` (a ``benchmarks.models.BenchModel``): token-id prompts draw from its ordinary tokens, and the chat
+    workload needs it; None: the benchmark checkpoint's tokens (no chat)."""
     if name not in WORKLOADS:
         raise ValueError(f"--workload: unknown {name!r}; choose from {', '.join(WORKLOADS)}")
     spec = WORKLOADS[name]
+    token_range = TOY_TOKEN_RANGE if model is None else model.token_range
+    if spec.chat:
+        if model is None:
+            raise ValueError("--workload chat: needs a model with a chat template (--model)")
+        return chat_workload(num_requests, model, seed, prompt_lens or spec.prompt_lens,
+                             output_lens or spec.output_lens)
     if spec.output_cycle and output_lens is not None:
         raise ValueError(f"--output-lens: the {name} workload's outputs are fixed at {spec.output_cycle}")
     if spec.output_cycle:
-        requests = seed_workload(num_requests, seed, prompt_lens or spec.prompt_lens, (1, 1))
+        requests = seed_workload(num_requests, seed, prompt_lens or spec.prompt_lens, (1, 1), token_range)
         return [BenchRequest(r.prompt_token_ids, spec.output_cycle[i % len(spec.output_cycle)])
                 for i, r in enumerate(requests)]
-    requests = seed_workload(num_requests, seed, prompt_lens or spec.prompt_lens, output_lens or spec.output_lens)
+    requests = seed_workload(num_requests, seed, prompt_lens or spec.prompt_lens, output_lens or spec.output_lens,
+                             token_range)
     if spec.prefill_only_mix:  # odd requests: score, embed, score, ...
         kinds = ("score", "embed")
         return [r if i % 2 == 0 else BenchRequest(r.prompt_token_ids, 0, kinds[(i // 2) % 2])
@@ -185,27 +255,37 @@ def build_workload(name: str, num_requests: int, seed: int = 0, prompt_lens: Seq
     return requests
 
 
-def trace_workload(entries: Sequence[TraceEntry], seed: int = 0) -> tuple[list[BenchRequest], list[float]]:
-    """Requests with random prompts of the trace's lengths, and their arrival times."""
+def trace_workload(entries: Sequence[TraceEntry], seed: int = 0,
+                   token_range: Sequence[int] = TOY_TOKEN_RANGE) -> tuple[list[BenchRequest], list[float]]:
+    """Requests with random prompts (ids in ``token_range``) of the trace's lengths, and their arrival times."""
     rng = np.random.default_rng(seed)
-    requests = [BenchRequest(rng.integers(FIRST_WORD_ID, VOCAB_SIZE, size=e.prompt_tokens).tolist(), e.output_tokens)
-                for e in entries]
+    requests = [BenchRequest(rng.integers(token_range[0], token_range[1], size=e.prompt_tokens).tolist(),
+                             e.output_tokens) for e in entries]
     return requests, [e.arrival_s for e in entries]
 
 
-def warmup_workload() -> list[BenchRequest]:
-    """A couple of tiny requests to run before timing (first-call allocations, lazy imports)."""
-    return [BenchRequest(list(range(FIRST_WORD_ID, FIRST_WORD_ID + 24)), 4),
-            BenchRequest(list(range(FIRST_WORD_ID + 100, FIRST_WORD_ID + 140)), 6)]
+def warmup_workload(token_range: Sequence[int] = TOY_TOKEN_RANGE) -> list[BenchRequest]:
+    """A couple of tiny requests to run before timing (first-call allocations, lazy imports); ``token_range``: the
+    model's ordinary tokens."""
+    return [BenchRequest(_token_ids(token_range, 0, 24), 4), BenchRequest(_token_ids(token_range, 100, 140), 6)]
+
+
+def _token_ids(token_range: Sequence[int], start: int, stop: int) -> list[int]:
+    """The ``start``-th to ``stop``-th ids of ``token_range``, wrapping around in a small vocabulary."""
+    low, high = token_range
+    return [low + i % (high - low) for i in range(start, stop)]
 
 
 def describe_workload(requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    """Lengths in tokens; ``output_tokens`` is what the requests ask for at most (exactly, but for those that stop
+    at end of sequence: ``num_stop_at_eos``)."""
     prompts = [r.prompt_len for r in requests]
     outputs = [r.max_tokens for r in requests]
     return {"num_requests": len(requests), "prompt_tokens": int(sum(prompts)), "output_tokens": int(sum(outputs)),
             "mean_prompt_len": float(np.mean(prompts)) if prompts else 0.0,
             "mean_output_len": float(np.mean(outputs)) if outputs else 0.0,
-            "num_prefill_only": sum(r.kind != "generate" for r in requests)}
+            "num_prefill_only": sum(r.kind != "generate" for r in requests),
+            "num_stop_at_eos": sum(not r.ignore_eos for r in requests)}
 
 
 # -- our engine -----------------------------------------------------------------------------------
@@ -231,18 +311,24 @@ def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None =
     budget = max(args.max_num_batched_tokens, max_num_seqs)  # the engine needs a token per slot at least
     engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, budget, args.threads, kv_blocks(args),
                                                  prefill_lane), speculative_config=speculative_config)
-    warm_up_engine(engine)
+    warm_up_engine(engine, _token_range_of(model_path))
     return engine
+
+
+def _token_range_of(model_path: str) -> tuple[int, int]:
+    from benchmarks.models import ordinary_token_range, read_source
+
+    return ordinary_token_range(read_source(str(model_path)))
 
 
 def kv_blocks(args) -> int:
     return args.kv_budget_tokens // BLOCK_SIZE
 
 
-def sampling_params(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0):
+def sampling_params(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, ignore_eos: bool = True):
     from engine import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos)
 
 
 def request_params(request: BenchRequest):
@@ -257,9 +343,9 @@ def request_params(request: BenchRequest):
         from benchmarks.structured import SCHEMA
         from engine import StructuredOutput
 
-        return sampling_params(request.max_tokens, request.temperature, request.top_p).replace(
+        return sampling_params(request.max_tokens, request.temperature, request.top_p, request.ignore_eos).replace(
             structured_output=StructuredOutput("json", SCHEMA))
-    return sampling_params(request.max_tokens, request.temperature, request.top_p)
+    return sampling_params(request.max_tokens, request.temperature, request.top_p, request.ignore_eos)
 
 
 def drain(engine) -> list:
@@ -270,10 +356,10 @@ def drain(engine) -> list:
     return finished
 
 
-def warm_up_engine(engine) -> None:
-    prefill_only = [BenchRequest(list(range(FIRST_WORD_ID + 200, FIRST_WORD_ID + 230)), 0, "score"),
-                    BenchRequest(list(range(FIRST_WORD_ID + 300, FIRST_WORD_ID + 320)), 0, "embed")]
-    for i, request in enumerate(warmup_workload() + prefill_only):
+def warm_up_engine(engine, token_range: Sequence[int] = TOY_TOKEN_RANGE) -> None:
+    prefill_only = [BenchRequest(_token_ids(token_range, 200, 230), 0, "score"),
+                    BenchRequest(_token_ids(token_range, 300, 320), 0, "embed")]
+    for i, request in enumerate(warmup_workload(token_range) + prefill_only):
         engine.add_request(f"warmup-{i}", request.prompt_token_ids, request_params(request))
     drain(engine)
 
@@ -334,27 +420,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                             "$INFLIGHT_BENCH_CACHE or ~/.cache/inflight/benchmarks")
 
 
-def workload_from_args(parser: argparse.ArgumentParser, args) -> tuple[list[BenchRequest], list[float] | None, str]:
-    """(requests, arrival times or None for all at t=0, a name for reports); bad flags end in ``parser.error``."""
+def workload_from_args(parser: argparse.ArgumentParser, args, model=None
+                       ) -> tuple[list[BenchRequest], list[float] | None, str]:
+    """(requests, arrival times or None for all at t=0, a name for reports) for ``model`` (a
+    ``benchmarks.models.BenchModel``; None: the benchmark checkpoint); bad flags end in ``parser.error``."""
     for flag in ("prompt_lens", "output_lens"):
         value = getattr(args, flag)
         if value is not None and value[0] > value[1]:
             parser.error(f"--{flag.replace('_', '-')}: MIN ({value[0]}) is larger than MAX ({value[1]})")
     try:
+        token_range = TOY_TOKEN_RANGE if model is None else model.token_range
         if args.trace:
-            requests, arrivals = trace_workload(load_trace(args.trace), args.seed)
+            requests, arrivals = trace_workload(load_trace(args.trace), args.seed, token_range)
             name = f"trace {Path(args.trace).name}"
         else:
-            requests = build_workload(args.workload, args.num_requests, args.seed, args.prompt_lens, args.output_lens)
+            requests = build_workload(args.workload, args.num_requests, args.seed, args.prompt_lens, args.output_lens,
+                                      model)
             arrivals, name = None, args.workload
     except ValueError as e:
         parser.error(str(e))
     if check_sampling_args(parser, args):
         requests = [dataclasses.replace(r, temperature=args.temperature, top_p=args.top_p) for r in requests]
     longest = max(r.prompt_len + r.max_tokens for r in requests)
-    if longest > MODEL_SHAPE["max_position_embeddings"]:
+    positions = MODEL_SHAPE["max_position_embeddings"] if model is None else model.max_position_embeddings
+    if longest > positions:
         parser.error(f"--prompt-lens/--output-lens: a request of {longest} tokens (prompt + output) does not fit the "
-                     f"model's {MODEL_SHAPE['max_position_embeddings']} positions")
+                     f"model's {positions} positions")
     if getattr(args, "kv_budget_tokens", None) is not None:
         if args.kv_budget_tokens % BLOCK_SIZE:
             parser.error(f"--kv-budget-tokens: {args.kv_budget_tokens} is not a multiple of the block size {BLOCK_SIZE}")
