@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.metrics import padded_static_batch_tokens
-from benchmarks.workloads import BLOCK_SIZE, PAD_ID, BenchRequest, kv_blocks, warmup_workload
+from benchmarks.workloads import BLOCK_SIZE, PAD_ID, TOY_TOKEN_RANGE, BenchRequest, kv_blocks, warmup_workload
 
 BASELINES = ("hf-static", "hf-cb")
 
@@ -33,6 +33,7 @@ class BaselineRun:
     latencies_s: list[float]  # per request, in workload order, from t=0
     computed_tokens: int | None  # None: the system does not say
     extra: dict[str, Any] = field(default_factory=dict)
+    output_tokens: list[int] | None = None  # per request; None: exactly each one's max_tokens
 
 
 def quiet_transformers() -> None:
@@ -67,9 +68,10 @@ def hf_generate_batch(model, batch: Sequence[BenchRequest]) -> int:
     return out.shape[1] - width
 
 
-def run_hf_static(model_path: str, requests: Sequence[BenchRequest], args) -> BaselineRun:
+def run_hf_static(model_path: str, requests: Sequence[BenchRequest], args,
+                  token_range: Sequence[int] = TOY_TOKEN_RANGE) -> BaselineRun:
     model = load_hf_model(model_path)
-    hf_generate_batch(model, warmup_workload())
+    hf_generate_batch(model, warmup_workload(token_range))
     size = args.static_batch_size
     batches = [requests[i:i + size] for i in range(0, len(requests), size)]
     latencies: list[float] = []
@@ -117,7 +119,8 @@ def _hf_cb_submit_and_wait(manager, requests: Sequence[BenchRequest], t0: float,
     return {rid: results[rid] for rid in ids}
 
 
-def run_hf_cb(model_path: str, requests: Sequence[BenchRequest], args) -> BaselineRun:
+def run_hf_cb(model_path: str, requests: Sequence[BenchRequest], args,
+              token_range: Sequence[int] = TOY_TOKEN_RANGE) -> BaselineRun:
     import transformers
 
     model = load_hf_model(model_path)
@@ -128,7 +131,7 @@ def run_hf_cb(model_path: str, requests: Sequence[BenchRequest], args) -> Baseli
     manager.warmup()
     manager.start()
     try:
-        _hf_cb_submit_and_wait(manager, warmup_workload(), time.perf_counter())
+        _hf_cb_submit_and_wait(manager, warmup_workload(token_range), time.perf_counter())
         resolved = manager.continuous_batching_config
         with tqdm(total=len(requests), desc="hf-cb", unit="req", file=sys.stderr, leave=False) as bar:
             t0 = time.perf_counter()

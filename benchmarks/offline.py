@@ -1,6 +1,7 @@
 """Offline throughput: our engine in static and continuous batching, optionally against transformers and vLLM.
 
-Every system runs the same requests on the same model, one after another: our ``LLMEngine`` per
+Every system runs the same requests on the same model (``--model``, by default the real SmolLM2-135M-Instruct;
+``bench-random`` for the random toy Llama; ``benchmarks.models``), one after another: our ``LLMEngine`` per
 ``--batching`` mode, then the ``--baselines`` (transformers' static ``generate`` with padding,
 transformers' continuous batching, see ``benchmarks.hf_baselines``, in this process; vLLM's CPU build
 in a worker process under its own virtualenv, see ``benchmarks.vllm_baseline``). A named workload has every
@@ -21,8 +22,12 @@ and mixed steps, mean batch occupancy, mean KV utilisation (block- and token-lev
 throughput ratios, our mean latency against vLLM's, and a KV diagnosis when token-level utilisation stayed
 under 60% while requests waited.
 
+``--workload chat`` is real text through the model's chat template, each request stopping at its end of turn
+(useful tokens are then those generated, at most each request's max_tokens; not with transformers' baselines).
+
     python -m benchmarks.offline --workload seed --batching static,continuous --baselines hf
     python -m benchmarks.offline --workload seed --batching continuous,static --baselines vllm --repeats 3
+    python -m benchmarks.offline --model bench-random --workload chat   # no: the toy model has no chat template
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ from benchmarks import speculative, structured
 from benchmarks.engine_run import EngineRun, run_engine
 from benchmarks.hf_baselines import BASELINES, BaselineRun, quiet_transformers, run_hf_cb, run_hf_static
 from benchmarks.metrics import TokenWaste, summarize, useful_computed_tokens
+from benchmarks.models import add_model_arg, model_from_args
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
-from benchmarks.vllm_baseline import add_vllm_args, describe_settings, run_vllm, settings_from_args
+from benchmarks.vllm_baseline import MAX_MODEL_LEN, add_vllm_args, describe_settings, run_vllm, settings_from_args
 from benchmarks.workloads import (
-    WORKLOADS, add_engine_args, add_workload_args, build_checkpoint, check_sampling_args, describe_workload,
-    make_engine, positive_int, workload_from_args,
+    WORKLOADS, add_engine_args, add_workload_args, check_sampling_args, describe_workload, make_engine,
+    positive_int, workload_from_args,
 )
 
 MODES = ("continuous", "static")
@@ -60,6 +66,8 @@ TARGETS = (
 )
 # (ours, theirs): our mean latency must be <= theirs.
 LATENCY_TARGETS = (("continuous", "vllm"),)
+# systems that read the model as a Hugging Face directory (a GGUF file's export, benchmarks.models)
+HF_READERS = {"vllm", "hf-static", "hf-cb", speculative.system_name("draft")}
 
 
 @dataclass
@@ -94,15 +102,19 @@ def from_engine_run(system: str, run: EngineRun) -> SystemResult:
 
 
 def from_baseline_run(run: BaselineRun, requests) -> SystemResult:
+    outputs = run.output_tokens if run.output_tokens is not None else [r.max_tokens for r in requests]
     waste = None
     if run.computed_tokens is not None:
-        useful = useful_computed_tokens([r.prompt_len for r in requests], [r.max_tokens for r in requests])
+        useful = useful_computed_tokens([r.prompt_len for r in requests], outputs)
         waste = TokenWaste(run.computed_tokens, useful, run.computed_tokens - useful)  # all of it is padding
-    return SystemResult(run.system, run.span_s, sum(r.max_tokens for r in requests), run.latencies_s, waste,
-                        extra=run.extra)
+    return SystemResult(run.system, run.span_s, sum(outputs), run.latencies_s, waste, extra=run.extra)
 
 
-def run_system(system: str, model_path: str, requests, arrivals, args) -> SystemResult:
+def run_system(system: str, model_path: str, requests, arrivals, args, hf_path: str | None = None) -> SystemResult:
+    """``system`` on ``requests``: ours load ``model_path`` (what our engine loads: a packaged model's name, a GGUF
+    file, a directory), the peers and a draft model ``hf_path``, the model's Hugging Face directory (a GGUF file's
+    export; default ``model_path``)."""
+    hf_path = hf_path or model_path
     if system in MODES:
         run = run_engine(make_engine(model_path, system, args), requests, arrivals, desc=system)
         return from_engine_run(system, run)
@@ -114,8 +126,9 @@ def run_system(system: str, model_path: str, requests, arrivals, args) -> System
         return result
     method = speculative.method_of(system)
     if method is not None:
+        # a draft model is the checkpoint cut to its first layers: from a Hugging Face directory
         engine = make_engine(model_path, "continuous", args, speculative_config=speculative.speculative_config(
-            method, args.oracle_outputs, model_path))
+            method, args.oracle_outputs, hf_path))
         result = from_engine_run(system, run_engine(engine, requests, arrivals, desc=system))
         result.extra.update(speculative.summary(engine.stats()))
         return result
@@ -126,12 +139,14 @@ def run_system(system: str, model_path: str, requests, arrivals, args) -> System
         result = from_engine_run(system, run)
         result.extra["wall_s"] = time.perf_counter() - started
         return result
+    model = args.bench_model
     if system == "vllm":
-        run = run_vllm(model_path, requests, args.vllm, args.kv_budget_tokens, args.max_num_seqs,
-                       args.max_num_batched_tokens)
+        run = run_vllm(hf_path, requests, args.vllm, args.kv_budget_tokens, args.max_num_seqs,
+                       args.max_num_batched_tokens, token_range=model.token_range,
+                       max_model_len=min(MAX_MODEL_LEN, model.max_position_embeddings))
         return from_baseline_run(run, requests)
     runner = run_hf_static if system == "hf-static" else run_hf_cb
-    return from_baseline_run(runner(model_path, requests, args), requests)
+    return from_baseline_run(runner(hf_path, requests, args, model.token_range), requests)
 
 
 def ratios(results: dict[str, SystemResult]) -> list[dict[str, Any]]:
@@ -158,8 +173,11 @@ def print_report(results: dict[str, SystemResult], runs: dict[str, list[SystemRe
                  ratio_rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]], workload: dict, name: str,
                  loads: tuple[float | None, float | None], args) -> None:
     load = ["n/a" if v is None else f"{v:.2f}" for v in loads]
-    print(f"\nworkload {name}: {workload['num_requests']} requests, {workload['prompt_tokens']} prompt tokens, "
-          f"{workload['output_tokens']} useful output tokens; KV budget {args.kv_budget_tokens} tokens; "
+    asked = (f"{workload['output_tokens']} useful output tokens" if not workload.get("num_stop_at_eos") else
+             f"up to {workload['output_tokens']} output tokens ({workload['num_stop_at_eos']} requests stop at end "
+             f"of sequence; generated: " + ", ".join(f"{s} {r.useful_tokens}" for s, r in results.items()) + ")")
+    print(f"\nmodel {args.bench_model.name}; workload {name}: {workload['num_requests']} requests, "
+          f"{workload['prompt_tokens']} prompt tokens, {asked}; KV budget {args.kv_budget_tokens} tokens; "
           f"torch threads {torch.get_num_threads()}; load average {load[0]} at start, {load[1]} at end")
     rows = []
     for system, r in results.items():
@@ -242,6 +260,7 @@ def plot(results: dict[str, SystemResult], name: str, path: str) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, list, list[float] | None, str]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.offline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arg(parser)
     add_workload_args(parser)
     add_engine_args(parser)
     parser.add_argument("--batching", default="static,continuous",
@@ -292,9 +311,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
         if baselines:
             parser.error("--structured-fraction compares our engine with itself; no baseline runs it")
         args.systems = [structured.system_name(f) for f in fractions]
-    requests, arrivals, name = workload_from_args(parser, args)
+    args.bench_model = model_from_args(parser, args)
+    requests, arrivals, name = workload_from_args(parser, args, args.bench_model)
     if check_sampling_args(parser, args) and ({"hf-static", "hf-cb"} & set(args.systems) or args.speculative):
         parser.error("--temperature/--top-p: transformers' baselines and --speculative run greedy only")
+    if {"hf-static", "hf-cb"} & set(args.systems) and any(not r.ignore_eos for r in requests):
+        parser.error(f"--baselines: transformers' baselines run every request to its max_tokens; the {name} workload "
+                     f"stops at end of sequence (use --baselines vllm or none)")
+    if args.bench_model.kind == "builtin" and set(args.systems) & HF_READERS:
+        parser.error(f"--model {args.bench_model.name}: the built-in model has no checkpoint for "
+                     f"{', '.join(sorted(set(args.systems) & HF_READERS))}")
     if args.rate is not None:
         if args.trace:
             parser.error("--rate: a --trace brings its own arrival times")
@@ -335,7 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, requests, arrivals, name = parse_args(argv)
     torch.set_num_threads(args.threads)
     quiet_transformers()
-    model_path = str(build_checkpoint(args.cache_dir))
+    model_path = args.bench_model.engine_model
+    # the peers and a draft model read a Hugging Face directory: a GGUF file is exported once (benchmarks.models)
+    hf_path = str(args.bench_model.hf_dir()) if set(args.systems) & HF_READERS else None
     if args.trace is None and WORKLOADS[name].copy_heavy:
         requests = speculative.copy_heavy(requests, model_path, args)
     args.oracle_outputs = (speculative.greedy_outputs(model_path, requests, args)
@@ -346,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for repeat in range(args.repeats):
         for system in args.systems:  # interleaved: a burst of load elsewhere hits every system alike
             print(f"running {system} ({repeat + 1}/{args.repeats}) ...", file=sys.stderr, flush=True)
-            run = run_system(system, model_path, requests, arrivals, args)
+            run = run_system(system, model_path, requests, arrivals, args, hf_path)
             runs[system].append(run)
             print(f"{system}: {run.tokens_per_s:.1f} tok/s over {run.span_s:.1f} s", file=sys.stderr, flush=True)
     # the median run of each system by throughput (the lower middle one of an even count)
@@ -370,8 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(results, name, args.plot)
     write_json(args.json, {
         "benchmark": "offline", "workload_name": name, "workload": workload,
-        "config": {k: v for k, v in vars(args).items() if k not in ("json", "oracle_outputs")},
-        "model": model_path, "machine": {**describe_machine(), "load_average_start": loads[0],
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "oracle_outputs", "bench_model")},
+        "model": args.bench_model.describe(), "machine": {**describe_machine(), "load_average_start": loads[0],
                                          "load_average_end": loads[1]},
         "elapsed_s": time.perf_counter() - started,
         "results": {s: r.summary() for s, r in results.items()},

@@ -9,9 +9,9 @@ process: it loads and compiles the model (a minute or two) before its warm-up an
 vLLM gets what ours gets: the same KV budget in tokens (in blocks of 32, a multiple of 32 being required
 on CPU, sized exactly by ``num_gpu_blocks_override`` and ``kv_cache_memory_bytes``; ``VLLM_CPU_KVCACHE_SPACE``
 is cleared, whole GiB being too coarse), the same batch slots and tokens per step, greedy sampling with
-EOS ignored, every request at t=0, and by default every core of ``--threads`` for its compute
-(``VLLM_CPU_OMP_THREADS_BIND``; vLLM's own default, ``auto``, binds it to one core of the two here).
-"""
+EOS ignored (but by the requests that stop at end of sequence, the chat workload's), every request at t=0, and by
+default every core of ``--threads`` for its compute (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's own default, ``auto``,
+binds it to one core of the two here). The checkpoint is a Hugging Face directory (``BenchModel.hf_dir``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from benchmarks.hf_baselines import BaselineRun
 from benchmarks.peers.kv_budget import BLOCK_SIZE, DTYPE_BYTES, checkpoint_kv_shape, kv_cache_sizes, threads_bind
-from benchmarks.workloads import MODEL_SHAPE, BenchRequest, warmup_workload
+from benchmarks.workloads import MODEL_SHAPE, TOY_TOKEN_RANGE, BenchRequest, warmup_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "peers" / "vllm_offline.py"
@@ -93,20 +93,23 @@ def settings_from_args(args) -> VllmSettings:
 
 # -- the job -----------------------------------------------------------------------------------------------
 def build_job(model_path: str | Path, requests: Sequence[BenchRequest], settings: VllmSettings,
-              kv_budget_tokens: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, Any]:
-    """What the worker reads: the checkpoint, the engine's sizes, the warm-up and the timed requests."""
+              kv_budget_tokens: int, max_num_seqs: int, max_num_batched_tokens: int,
+              token_range: Sequence[int] = TOY_TOKEN_RANGE, max_model_len: int = MAX_MODEL_LEN) -> dict[str, Any]:
+    """What the worker reads: the checkpoint (a Hugging Face directory), the engine's sizes, the warm-up (prompts of
+    the model's ordinary ``token_range``) and the timed requests."""
     num_blocks, kv_bytes = kv_cache_sizes(kv_budget_tokens, BLOCK_SIZE, *checkpoint_kv_shape(model_path),
                                           DTYPE_BYTES[settings.dtype])
-    warmup = warmup_workload()
+    warmup = warmup_workload(token_range)
     return {
         "model": str(model_path), "dtype": settings.dtype, "block_size": BLOCK_SIZE,
         "kv_budget_tokens": kv_budget_tokens, "num_gpu_blocks_override": num_blocks, "kv_cache_memory_bytes": kv_bytes,
         "max_num_seqs": max_num_seqs,
         # as ours: at least a token per slot
         "max_num_batched_tokens": max(max_num_batched_tokens, max_num_seqs),
-        "max_model_len": MAX_MODEL_LEN, "enforce_eager": settings.enforce_eager,
+        "max_model_len": max_model_len, "enforce_eager": settings.enforce_eager,
         "prompts": [r.prompt_token_ids for r in requests], "output_lens": [r.max_tokens for r in requests],
         "sampling": [(r.temperature, r.top_p) for r in requests],
+        "ignore_eos": [r.ignore_eos for r in requests],
         "warmup": {"prompts": [r.prompt_token_ids for r in warmup], "output_lens": [r.max_tokens for r in warmup]},
     }
 
@@ -120,10 +123,13 @@ def worker_env(settings: VllmSettings, environ: Mapping[str, str] = os.environ) 
 
 # -- a run -------------------------------------------------------------------------------------------------
 def run_vllm(model_path: str | Path, requests: Sequence[BenchRequest], settings: VllmSettings, kv_budget_tokens: int,
-             max_num_seqs: int, max_num_batched_tokens: int, worker: Path | None = None) -> BaselineRun:
+             max_num_seqs: int, max_num_batched_tokens: int, worker: Path | None = None,
+             token_range: Sequence[int] = TOY_TOKEN_RANGE, max_model_len: int = MAX_MODEL_LEN) -> BaselineRun:
     """One run of ``requests`` (all at t=0) through vLLM in a fresh worker process (``worker``: another
-    script taking the same job, for tests). Each request must get exactly its ``max_tokens``."""
-    job = build_job(model_path, requests, settings, kv_budget_tokens, max_num_seqs, max_num_batched_tokens)
+    script taking the same job, for tests). Each request must get exactly its ``max_tokens`` (at most, when it
+    stops at end of sequence)."""
+    job = build_job(model_path, requests, settings, kv_budget_tokens, max_num_seqs, max_num_batched_tokens,
+                    token_range, max_model_len)
     result = run_worker(WORKER if worker is None else worker, job, settings)
     return baseline_run(result, requests, job, settings)
 
@@ -146,13 +152,11 @@ def run_worker(worker: Path, job: dict[str, Any], settings: VllmSettings) -> dic
 def baseline_run(result: dict[str, Any], requests: Sequence[BenchRequest], job: dict[str, Any],
                  settings: VllmSettings) -> BaselineRun:
     """The worker's result as a ``BaselineRun``, once every request is checked to have its ``max_tokens``."""
+    from benchmarks.engine_run import check_output_lens
+
     if len(result["num_tokens"]) != len(requests) or len(result["done_s"]) != len(requests):
         raise RuntimeError(f"vllm: the worker reported {len(result['num_tokens'])} requests, not {len(requests)}")
-    wrong = [(i, n, r.max_tokens) for i, (n, r) in enumerate(zip(result["num_tokens"], requests)) if n != r.max_tokens]
-    if wrong:
-        i, got, wanted = wrong[0]
-        raise RuntimeError(f"vllm: {len(wrong)} request(s) got the wrong number of tokens (request {i}: {got}, "
-                           f"asked for {wanted})")
+    check_output_lens(result["num_tokens"], requests, "vllm")
     done_s = [float(t) for t in result["done_s"]]
     extra = {"vllm_version": result.get("vllm_version"), **asdict(settings), "block_size": job["block_size"],
              "num_gpu_blocks_override": job["num_gpu_blocks_override"],
@@ -160,7 +164,7 @@ def baseline_run(result: dict[str, Any], requests: Sequence[BenchRequest], job: 
              "max_num_batched_tokens": job["max_num_batched_tokens"], "max_model_len": job["max_model_len"],
              "num_gpu_blocks": result.get("num_gpu_blocks"), "kv_cache_size_tokens": result.get("kv_cache_size_tokens"),
              "env": result.get("env", {})}
-    return BaselineRun("vllm", max(done_s), done_s, None, extra)
+    return BaselineRun("vllm", max(done_s), done_s, None, extra, [int(n) for n in result["num_tokens"]])
 
 
 def describe_settings(extra: Mapping[str, Any]) -> str:

@@ -41,25 +41,28 @@ def build_llm(job: dict):
     )
 
 
-def params(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0):
+def params(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, ignore_eos: bool = True):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     # FINAL_ONLY as LLM.generate sets it: the default (cumulative) builds every running request's output
     # at every step, work LLM.generate does not do.
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=True, detokenize=False,
-                          output_kind=RequestOutputKind.FINAL_ONLY)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos,
+                          detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-def run(llm, prompts: list[list[int]], output_lens: list[int], sampling: list | None = None
-        ) -> tuple[list[float], list[int]]:
-    """Add every request at once, step until done; per request (seconds to completion, tokens generated)."""
+def run(llm, prompts: list[list[int]], output_lens: list[int], sampling: list | None = None,
+        ignore_eos: list | None = None) -> tuple[list[float], list[int]]:
+    """Add every request at once, step until done; per request (seconds to completion, tokens generated).
+    ``ignore_eos``: per request, False where it stops at the model's end of sequence (default: none does)."""
     engine = llm.llm_engine
     done_s: list[float | None] = [None] * len(prompts)
     num_tokens = [0] * len(prompts)
     started = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params(n, *(sampling[i] if sampling else ())))
+        temperature, top_p = sampling[i] if sampling else (0.0, 1.0)
+        engine.add_request(str(i), {"prompt_token_ids": prompt},
+                           params(n, temperature, top_p, ignore_eos[i] if ignore_eos else True))
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
@@ -84,7 +87,7 @@ def main(job_path: str, result_path: str) -> int:
     # Warm-up: the first steps of every shape pay for compilation and first-touch allocations.
     warm = job["warmup"]
     run(llm, warm["prompts"], warm["output_lens"])
-    done_s, num_tokens = run(llm, job["prompts"], job["output_lens"], job.get("sampling"))
+    done_s, num_tokens = run(llm, job["prompts"], job["output_lens"], job.get("sampling"), job.get("ignore_eos"))
     import vllm
 
     result = {"vllm_version": vllm.__version__, "done_s": done_s, "num_tokens": num_tokens, **kv_cache_report(llm),

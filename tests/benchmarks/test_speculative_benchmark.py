@@ -14,8 +14,8 @@ from benchmarks.workloads import build_checkpoint
 
 def test_offline_runs_each_method_on_the_copy_workload(tmp_path):
     out = tmp_path / "out.json"
-    offline.main(["--workload", "copy", "--num-requests", "2", "--prompt-lens", "8", "16", "--output-lens", "6", "10",
-                  "--max-num-seqs", "1", "--speculative", "none,draft,oracle", "--json", str(out)])
+    offline.main(["--model", "bench-random", "--workload", "copy", "--num-requests", "2", "--prompt-lens", "8", "16",
+                  "--output-lens", "6", "10", "--max-num-seqs", "1", "--speculative", "none,draft,oracle", "--json", str(out)])
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"continuous", "spec-draft", "spec-oracle"}
     oracle = results["spec-oracle"]

@@ -34,8 +34,8 @@ def test_a_structured_request_writes_the_schema():
 
 def test_offline_runs_each_fraction_and_reports_the_cached_schema_ttft(tmp_path):
     out = tmp_path / "out.json"
-    offline.main(["--workload", "seed", "--num-requests", "4", "--output-lens", "4", "8", "--prompt-lens", "8", "16",
-                  "--structured-fraction", "0,1", "--json", str(out)])
+    offline.main(["--model", "bench-random", "--workload", "seed", "--num-requests", "4", "--output-lens", "4", "8",
+                  "--prompt-lens", "8", "16", "--structured-fraction", "0,1", "--json", str(out)])
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"structured-0", "structured-1"}
     for result in results.values():

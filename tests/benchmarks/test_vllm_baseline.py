@@ -4,6 +4,7 @@ subprocess plumbing through a fake worker script that answers like the real one.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import sys
@@ -90,6 +91,23 @@ def test_sampling_flags_reach_our_requests_and_the_vllm_job(tmp_path):
     assert json.loads(json.dumps(job))["sampling"] == [[0.8, 0.9]] * 3  # as the worker reads it
     _, greedy_requests, _, _ = offline.parse_args(["--num-requests", "2"])
     assert all(request_params(r).temperature == 0.0 and request_params(r).top_p == 1.0 for r in greedy_requests)
+
+
+def test_requests_that_stop_at_end_of_sequence_may_get_fewer_tokens_from_vllm(tmp_path):
+    """The chat workload's requests: vLLM is told not to ignore end of sequence for them, and what they got counts
+    (at most max_tokens); the others still get exactly theirs. The warm-up draws from the model's ordinary tokens."""
+    requests = [REQUESTS[0], dataclasses.replace(REQUESTS[1], ignore_eos=False)]
+    job = build_job(write_checkpoint_config(tmp_path / "model"), requests, SETTINGS, 8000, 64, 2048,
+                    token_range=(17, 49152), max_model_len=1024)
+    assert job["ignore_eos"] == [True, False] and job["max_model_len"] == 1024
+    assert min(min(p) for p in job["warmup"]["prompts"]) == 17
+    exact = requests[0].max_tokens
+    run = vllm_baseline.baseline_run({"done_s": [0.1, 0.2], "num_tokens": [exact, 1]}, requests, job, SETTINGS)
+    assert run.output_tokens == [exact, 1]
+    assert offline.from_baseline_run(run, requests).useful_tokens == exact + 1
+    for wrong in ([exact - 1, 1], [exact, requests[1].max_tokens + 1], [exact, 0]):
+        with pytest.raises(RuntimeError, match="vllm: 1 request"):
+            vllm_baseline.baseline_run({"done_s": [0.1, 0.2], "num_tokens": wrong}, requests, job, SETTINGS)
 
 
 # -- the peer's Python ---------------------------------------------------------------------------------------
