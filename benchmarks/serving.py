@@ -1,7 +1,8 @@
 """Load test for any OpenAI-compatible endpoint (ours, vLLM, ...): streaming latency, throughput, goodput.
 
-Requests (a named workload's lengths, prompts of random token ids in ``--vocab-range``, or a JSONL trace)
-are sent to ``POST /v1/completions`` with ``stream=true``, at each of ``--rates`` requests/s with gamma
+Requests (a named workload's lengths with prompts of random token ids from the model's ordinary tokens, the
+``chat`` workload's conversations through the model's chat template that stop at its end of turn, or a JSONL
+trace) are sent to ``POST /v1/completions`` with ``stream=true``, at each of ``--rates`` requests/s with gamma
 gaps (``--burstiness`` 1 is Poisson; below 1 burstier; ``inf`` sends all at once), or at a trace's
 ``arrival_s``; ``--max-concurrency`` caps the requests in flight (a request's clock starts when it is sent).
 
@@ -10,9 +11,17 @@ chunks: a server that batches messages sends several tokens per chunk) and end-t
 mean/p50/p90/p99; output tokens/s and requests/s from the first send to the last completion; goodput,
 the requests/s that succeeded within the ``--slo-*`` limits; and failures by HTTP status, 429 apart.
 
+``--model`` names the model to ask for: a model the benchmarks know (``benchmarks.models``: smollm2-135m-instruct,
+bench-random, demo-tiny, a .gguf file or a checkpoint directory) is asked for by its served name (what our server
+and ``vllm serve`` call it by default: the name, or the path), and its tokenizer gives the prompts' token ids and
+the chat workload's texts; any other name is asked for as it is, with prompts of ids in ``--vocab-range``. Without
+``--model``, the first model ``/v1/models`` lists (under ``make run``, the real model). ``--served-model-name``
+asks for another name than that.
+
 The client shares the machine with the server when both run locally: its own CPU time is in the numbers.
 
     python -m benchmarks.serving --base-url http://127.0.0.1:8000 --rates 2,4,8 --slo-ttft-ms 500 --slo-tpot-ms 50
+    python -m benchmarks.serving --model smollm2-135m-instruct --workload chat --rates 1 --num-requests 8
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -34,15 +44,17 @@ from benchmarks.arrivals import arrival_times, load_trace
 from benchmarks.metrics import SLO, RequestLatency, goodput, inter_token_latencies, summarize, time_per_output_token
 from benchmarks.openai_client import CLIENT_ERRORS, client_session, stream_completion
 from benchmarks.report import load_average, print_table, pyplot, save_figure, write_json
+from benchmarks.models import BenchModel, resolve_model
 from benchmarks.workloads import WORKLOADS, build_workload, positive_int
 
-DEMO_TINY_VOCAB = (7, 263)  # demo-tiny's byte ids: the default prompts suit `make run`'s server
+DEMO_TINY_VOCAB = (7, 263)  # demo-tiny's byte ids: prompts for a model the benchmarks do not know
 
 
 @dataclass(frozen=True)
 class LoadRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    ignore_eos: bool = True  # False: it stops at the model's end of sequence (the chat workload), whatever --ignore-eos
 
 
 @dataclass
@@ -77,6 +89,8 @@ class RequestResult:
 # -- sending ---------------------------------------------------------------------------------------------
 async def send_one(session: aiohttp.ClientSession, base_url: str, model: str, request: LoadRequest,
                    extra: dict[str, Any]) -> RequestResult:
+    if not request.ignore_eos:
+        extra = {k: v for k, v in extra.items() if k != "ignore_eos"}
     try:
         result = await stream_completion(session, base_url, model, request.prompt_token_ids, request.max_tokens,
                                          **extra)
@@ -212,11 +226,39 @@ def make_requests(lengths: Sequence[tuple[int, int]], vocab_range: Sequence[int]
     return [LoadRequest(rng.integers(vocab_range[0], vocab_range[1], size=p).tolist(), o) for p, o in lengths]
 
 
+def known_model(name: str | None) -> BenchModel | None:
+    """``name`` as a model the benchmarks know, or None (any other served name)."""
+    if name is None:
+        return None
+    try:
+        return resolve_model(name)
+    except ValueError:
+        return None
+
+
+def build_requests(args, model: BenchModel | None) -> list[LoadRequest]:
+    """The requests for ``args``' workload (or trace): token ids from ``--vocab-range``, else ``model``'s ordinary
+    tokens, else demo-tiny's; the chat workload's conversations through ``model``'s chat template."""
+    if not args.trace and WORKLOADS[args.workload].chat:
+        if model is None:
+            raise ValueError(f"--workload chat: the model {args.served_model_name or args.model!r} is not one the "
+                             f"benchmarks know, so its chat template is unknown: give --model (a name or a path)")
+        return [LoadRequest(r.prompt_token_ids, r.max_tokens, r.ignore_eos) for r in
+                build_workload(args.workload, args.num_requests, args.seed, args.prompt_lens, args.output_lens, model)]
+    vocab = args.vocab_range or (model.token_range if model is not None else DEMO_TINY_VOCAB)
+    return make_requests(args.lengths, vocab, args.seed)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
-    parser.add_argument("--model", help="model name to ask for; default: the first one /v1/models lists")
+    parser.add_argument("--model", metavar="NAME|PATH",
+                        help="the model: one the benchmarks know (smollm2-135m-instruct, bench-random, demo-tiny, a "
+                             ".gguf file, a checkpoint directory: asked for by its served name, prompts from its "
+                             "tokenizer) or any served name; default: the first one /v1/models lists")
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="the name to ask the server for, if not --model's served name")
     parser.add_argument("--rates", type=parse_rates, default=parse_rates("2,4,8"),
                         help="requests/s, comma-separated, one run each; inf sends everything at once")
     parser.add_argument("--burstiness", type=float, default=1.0,
@@ -231,10 +273,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="prompt length range in tokens (default: the workload's)")
     parser.add_argument("--output-lens", type=positive_int, nargs=2, metavar=("MIN", "MAX"),
                         help="output length range in tokens (default: the workload's)")
-    parser.add_argument("--vocab-range", type=int, nargs=2, metavar=("LOW", "HIGH"), default=list(DEMO_TINY_VOCAB),
-                        help="prompt token ids are drawn from [LOW, HIGH): pick ids the model's tokenizer has")
+    parser.add_argument("--vocab-range", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                        help="prompt token ids are drawn from [LOW, HIGH) (default: the model's ordinary tokens, for a "
+                             f"model the benchmarks know; else demo-tiny's, {DEMO_TINY_VOCAB[0]} {DEMO_TINY_VOCAB[1]})")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="ask for exactly max_tokens tokens (vLLM's extension; ours has it)")
+                        help="ask for exactly max_tokens tokens (vLLM's extension; ours has it); the chat workload's "
+                             "requests stop at end of turn whatever this says")
     parser.add_argument("--slo-ttft-ms", type=milliseconds, help="goodput: time to first token at most this")
     parser.add_argument("--slo-tpot-ms", type=milliseconds, help="goodput: time per output token at most this")
     parser.add_argument("--slo-e2e-ms", type=milliseconds, help="goodput: end-to-end latency at most this")
@@ -245,9 +289,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.burstiness > 0:
         parser.error(f"--burstiness must be > 0, got {args.burstiness}")
-    low, high = args.vocab_range
-    if not 0 <= low < high:
-        parser.error(f"--vocab-range: need 0 <= LOW < HIGH, got {low} {high}")
+    if args.vocab_range is not None:
+        low, high = args.vocab_range
+        if not 0 <= low < high:
+            parser.error(f"--vocab-range: need 0 <= LOW < HIGH, got {low} {high}")
+    if args.model is not None and (args.model.endswith(".gguf") or os.sep in args.model):
+        try:  # a path that is not a model is a mistake, not a served name
+            resolve_model(args.model)
+        except ValueError as e:
+            parser.error(str(e))
     for flag in ("prompt_lens", "output_lens"):
         value = getattr(args, flag)
         if value is not None and value[0] > value[1]:
@@ -258,7 +308,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             entries = load_trace(args.trace)
             args.lengths = [(e.prompt_tokens, e.output_tokens) for e in entries]
             args.trace_arrivals = [e.arrival_s for e in entries]
-        else:
+        elif not WORKLOADS[args.workload].chat:  # (chat: its lengths come with its texts, from the model)
             workload = build_workload(args.workload, args.num_requests, args.seed, args.prompt_lens, args.output_lens)
             args.lengths = [(r.prompt_len, r.max_tokens) for r in workload]
     except ValueError as e:
@@ -270,11 +320,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        model = args.model or asyncio.run(first_model(args.base_url, args.timeout_s))
+        name = args.model or args.served_model_name or asyncio.run(first_model(args.base_url, args.timeout_s))
     except CLIENT_ERRORS as e:
         print(f"error: --base-url {args.base_url}: cannot list models ({type(e).__name__}: {e})", file=sys.stderr)
         return 2
-    requests = make_requests(args.lengths, args.vocab_range, args.seed)
+    known = known_model(name)
+    model = args.served_model_name or (known.served_name if known else name)
+    try:
+        requests = build_requests(args, known)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     extra = {"temperature": 0.0, **({"ignore_eos": True} if args.ignore_eos else {})}
     runs: dict[str, tuple[list[float], list[RequestResult], float]] = {}
     load_start = load_average()
@@ -286,19 +342,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                  extra, args.timeout_s, desc=f"rate {name}"))
         runs[name] = (arrivals, results, duration)
     summaries = {name: summarize_load(results, duration, args.slo) for name, (_, results, duration) in runs.items()}
-    print(f"\n{model} at {args.base_url}; {len(requests)} requests per rate, burstiness {args.burstiness:g}, max "
+    print(f"\n{model} at {args.base_url}; workload {'trace' if args.trace else args.workload}; {len(requests)} "
+          f"requests per rate, burstiness {args.burstiness:g}, max "
           f"concurrency {args.max_concurrency or 'none'}; load average {_load(load_start)} at start, "
           f"{_load(load_average())} at end")
     print_report(summaries, args.slo)
     if args.plot:
         plot(summaries, args.plot)
     write_json(args.json, {
-        "benchmark": "serving", "model": model, "base_url": args.base_url,
+        "benchmark": "serving", "model": model, "bench_model": known.describe() if known else None,
+        "base_url": args.base_url,
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "lengths", "trace_arrivals", "slo")},
         "slo": args.slo, "results": summaries,
-        "requests": {name: [{"arrival_s": a, "prompt_tokens": len(q.prompt_token_ids), "max_tokens": q.max_tokens,
-                             **vars(r)} for a, q, r in zip(arrivals, requests, results)]
-                     for name, (arrivals, results, _) in runs.items()},
+        "requests": {rate: [{"arrival_s": a, "prompt_tokens": len(q.prompt_token_ids), "max_tokens": q.max_tokens,
+                             "ignore_eos": q.ignore_eos, **vars(r)} for a, q, r in zip(arrivals, requests, results)]
+                     for rate, (arrivals, results, _) in runs.items()},
     })
     return 0 if all(math.isfinite(s["requests_per_s"]) for s in summaries.values()) else 1
 

@@ -21,21 +21,30 @@ def sse(*events) -> bytes:
 
 class FakeServer:
     """Streams ``max_tokens`` one-token chunks, each its own write; prompts starting with 429 / 500 / 999 get that
-    status / an error event. Records the most requests it had in flight at once."""
+    status / an error event. Records the most requests it had in flight at once. ``hold_until_in_flight``: a
+    request is held until that many have been in flight at once (at most 10 s), so that a client that may send
+    them together is seen to, however late the one after it comes on a busy machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_until_in_flight: int = 0) -> None:
         self.in_flight = 0
         self.max_in_flight = 0
+        self.hold_until_in_flight = hold_until_in_flight
+        self._enough_in_flight = asyncio.Event()
         self.connections: set[tuple] = set()  # the clients' (host, port): one per connection
+        self.bodies: list[dict] = []
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.connections.add(request.transport.get_extra_info("peername"))
         body = await request.json()
+        self.bodies.append(body)
         first = body["prompt"][0]
         if first in (429, 500):
             return web.json_response({"error": {"message": "no"}}, status=first)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        if self.max_in_flight >= self.hold_until_in_flight:
+            self._enough_in_flight.set()
+        await asyncio.wait_for(self._enough_in_flight.wait(), 10.0)
         await asyncio.sleep(0.01)
         self.in_flight -= 1
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -49,7 +58,7 @@ class FakeServer:
         return response
 
 
-async def _served(server: FakeServer, requests, arrivals, max_concurrency):
+async def _served(server: FakeServer, requests, arrivals, max_concurrency, extra=None):
     app = web.Application()
     app.router.add_post("/v1/completions", server.completions)
     runner = web.AppRunner(app)
@@ -57,13 +66,14 @@ async def _served(server: FakeServer, requests, arrivals, max_concurrency):
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
     try:
-        return await run_load(f"http://127.0.0.1:{port}", "m", requests, arrivals, max_concurrency, {}, 10.0, "test")
+        return await run_load(f"http://127.0.0.1:{port}", "m", requests, arrivals, max_concurrency, extra or {}, 10.0,
+                              "test")
     finally:
         await runner.cleanup()
 
 
-def run(requests, arrivals, max_concurrency=None, server=None):
-    return asyncio.run(_served(server or FakeServer(), requests, arrivals, max_concurrency))
+def run(requests, arrivals, max_concurrency=None, server=None, extra=None):
+    return asyncio.run(_served(server or FakeServer(), requests, arrivals, max_concurrency, extra))
 
 
 def test_failures_are_counted_by_status_with_429_apart():
@@ -78,8 +88,20 @@ def test_failures_are_counted_by_status_with_429_apart():
     assert summary["goodput_requests_per_s"] == pytest.approx(1 / duration)
 
 
-def test_max_concurrency_caps_requests_in_flight():
+def test_requests_that_stop_at_end_of_sequence_never_ask_to_ignore_it():
+    """--ignore-eos (the default) asks for exactly max_tokens of token-id prompts; the chat workload's requests
+    stop at the model's end of turn whatever it says."""
     server = FakeServer()
+    results, _ = run([LoadRequest([7, 8], 2), LoadRequest([9], 3, ignore_eos=False)], [0.0, 0.0], server=server,
+                     extra={"temperature": 0.0, "ignore_eos": True})
+    assert all(r.ok for r in results)
+    bodies = {tuple(b["prompt"]): b for b in server.bodies}
+    assert bodies[(7, 8)]["ignore_eos"] is True and "ignore_eos" not in bodies[(9,)]
+    assert bodies[(9,)]["temperature"] == 0.0 and bodies[(9,)]["max_tokens"] == 3
+
+
+def test_max_concurrency_caps_requests_in_flight():
+    server = FakeServer(hold_until_in_flight=2)
     results, _ = run([LoadRequest([7], 2)] * 6, [0.0] * 6, max_concurrency=2, server=server)
     assert all(r.ok for r in results) and server.max_in_flight == 2
 
