@@ -1,6 +1,9 @@
 """Our server and vLLM's, side by side, through vLLM's own benchmark client (`vllm bench serve`, unmodified).
 
-Both serve the benchmark checkpoint (``benchmarks.workloads``) with the same sizes: 8,000 tokens of KV, 64 batch
+Both serve ``--model`` (``benchmarks.models``; by default the real SmolLM2-135M-Instruct, ``bench-random`` for the
+random toy checkpoint of ``benchmarks.workloads``) under the same served model name, ours loading it as it is (a
+packaged name, a GGUF file, a checkpoint directory), vLLM the Hugging Face directory of it (a GGUF file's float32
+export; ``vllm bench serve`` takes its tokenizer from there too), with the same sizes: 8,000 tokens of KV, 64 batch
 slots, 2,048 tokens per step, ``max_model_len`` 2,048, float32, one compute thread each (but the ``-all-cpus``
 systems, below). Ours is ``configs/bench-vs-vllm.yaml`` started as ``make run`` starts a config
 (``scripts/serve.sh``): its engine process on CPU 0, Ray's processes on the others, the API on :8000 served by the
@@ -21,6 +24,7 @@ serve`` (random dataset, prompts of 50-800 tokens, outputs of 20-200 with ``igno
   * ``--one-stream-prompts`` requests one after another (TTFT and TPOT at one stream).
 
     RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.serve_vs_vllm --rounds 2 --json results.json
+    RAY_AUTH_MODE=disabled .venv/bin/python -m benchmarks.serve_vs_vllm --model bench-random --systems ours,vllm
 
 The client runs under the peer virtualenv's Python (``--vllm-python``, ``$INFLIGHT_VLLM_PYTHON`` or
 ``.venv-vllm`` from ``make peer-venv``) through ``benchmarks/peers/vllm_cli.py``. Targets (issue 13): at 64
@@ -44,8 +48,9 @@ from typing import Any
 import httpx
 import yaml
 
+from benchmarks.models import BenchModel, add_model_arg, model_from_args
 from benchmarks.vllm_baseline import resolve_peer_python
-from benchmarks.workloads import MODEL_NAME, add_sampling_args, build_checkpoint, check_sampling_args
+from benchmarks.workloads import MODEL_NAME, add_sampling_args, check_sampling_args
 from engine.cpu_list import format_cpu_list
 from serve_app.cpu_plan import cpus_left
 from serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT
@@ -79,11 +84,13 @@ METRICS = ("completed", "failed", "output_throughput", "mean_e2el_ms", "median_e
 ONE_THREAD_MAX_TOKENS = 4
 
 
-def bench_config(checkpoint: Path, num_threads: int | None = None) -> str:
-    """configs/bench-vs-vllm.yaml for ``checkpoint``; with ``num_threads``, its engine computes with that many
-    threads on no CPUs of its own (no ``engine_cpus``: Ray's processes share every CPU with it), but for steps of
-    at most ``ONE_THREAD_MAX_TOKENS`` tokens (a decode of a few streams), which run on one."""
-    text = (ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint))
+def bench_config(checkpoint: Path | str, num_threads: int | None = None, served_name: str = MODEL_NAME) -> str:
+    """configs/bench-vs-vllm.yaml for ``checkpoint`` (what our engine loads: a path or a packaged model's name)
+    served as ``served_name``; with ``num_threads``, its engine computes with that many threads on no CPUs of its
+    own (no ``engine_cpus``: Ray's processes share every CPU with it), but for steps of at most
+    ``ONE_THREAD_MAX_TOKENS`` tokens (a decode of a few streams), which run on one."""
+    text = ((ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint))
+            .replace("@SERVED_MODEL_NAME@", served_name))
     if num_threads is None:
         return text
     config = yaml.safe_load(text)
@@ -94,22 +101,27 @@ def bench_config(checkpoint: Path, num_threads: int | None = None) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def start_ours(checkpoint: Path, log, num_threads: int | None = None) -> subprocess.Popen:
+def start_ours(model: BenchModel, log, num_threads: int | None = None) -> subprocess.Popen:
     config = Path(tempfile.mkstemp(prefix="bench-vs-vllm-", suffix=".yaml")[1])
-    config.write_text(bench_config(checkpoint, num_threads))
+    config.write_text(bench_config(model.engine_model, num_threads, model.served_name))
     # serve.sh sets Serve's environment as make run does (serve_app.ray_env --local) and RAY_AUTH_MODE
     return subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), str(config)], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_vllm(peer_python: str, threads_bind: str, isolated: bool, log) -> subprocess.Popen:
-    """vLLM's server, its compute threads bound by ``threads_bind``; ``isolated``: as ours runs, its compute
-    thread on the engine's CPU and everything else (its API server, its engine process's other threads) on the
-    other CPUs."""
-    argv = [peer_python, str(PEERS / "vllm_serve.py"), "--threads-bind", str(ENGINE_CPU) if isolated else threads_bind]
-    if isolated:
-        argv = ["taskset", "-c", other_cpus(), *argv]
-    return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def start_vllm(peer_python: str, threads_bind: str, isolated: bool, log, model: BenchModel) -> subprocess.Popen:
+    """vLLM's server on ``model``'s Hugging Face directory under its served name, its compute threads bound by
+    ``threads_bind``; ``isolated``: as ours runs, its compute thread on the engine's CPU and everything else (its
+    API server, its engine process's other threads) on the other CPUs."""
+    return subprocess.Popen(vllm_server_argv(peer_python, threads_bind, isolated, model), cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def vllm_server_argv(peer_python: str, threads_bind: str, isolated: bool, model: BenchModel) -> list[str]:
+    argv = [peer_python, str(PEERS / "vllm_serve.py"), "--model", str(model.hf_dir()),
+            "--served-model-name", model.served_name,
+            "--threads-bind", str(ENGINE_CPU) if isolated else threads_bind]
+    return ["taskset", "-c", other_cpus(), *argv] if isolated else argv
 
 
 def wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
@@ -143,17 +155,9 @@ def stop(server: subprocess.Popen) -> None:
     time.sleep(3.0)  # ports and cores free again
 
 
-def bench(peer_python: str, port: int, checkpoint: Path, num_prompts: int, concurrency: int, seed: int,
+def bench(peer_python: str, port: int, model: BenchModel, num_prompts: int, concurrency: int, seed: int,
           out: Path, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
-    # The client never runs on the engines' CPU, whichever server it loads.
-    argv = ["taskset", "-c", other_cpus(), peer_python, str(PEERS / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
-            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
-            "--model", str(checkpoint), "--served-model-name", MODEL_NAME,
-            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
-            "--random-range-ratio", RANGE_RATIO, "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos", "--temperature", str(temperature), "--top-p", str(top_p),
-            "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
-            "--result-filename", out.name]
+    argv = client_argv(peer_python, port, model, num_prompts, concurrency, seed, out, temperature, top_p)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
@@ -162,27 +166,41 @@ def bench(peer_python: str, port: int, checkpoint: Path, num_prompts: int, concu
     return {key: result.get(key) for key in METRICS} | {"errors": [e for e in result.get("errors", []) if e][:3]}
 
 
+def client_argv(peer_python: str, port: int, model: BenchModel, num_prompts: int, concurrency: int, seed: int,
+                out: Path, temperature: float = 0.0, top_p: float = 1.0) -> list[str]:
+    """`vllm bench serve`'s command line. The client never runs on the engines' CPU, whichever server it loads; it
+    reads the tokenizer from the model's Hugging Face directory and asks for its served name."""
+    return ["taskset", "-c", other_cpus(), peer_python, str(PEERS / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
+            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+            "--model", str(model.hf_dir()), "--served-model-name", model.served_name,
+            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+            "--random-range-ratio", RANGE_RATIO, "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos", "--temperature", str(temperature), "--top-p", str(top_p),
+            "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
+            "--result-filename", out.name]
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def one_turn(system: str, args, peer_python: str, checkpoint: Path, workdir: Path, round_index: int) -> dict:
+def one_turn(system: str, args, peer_python: str, model: BenchModel, workdir: Path, round_index: int) -> dict:
     log = open(workdir / f"{system}-{round_index}.log", "w")
     if system.startswith("ours"):
-        server = start_ours(checkpoint, log, len(all_cpus()) if system == "ours-all-cpus" else None)
+        server = start_ours(model, log, len(all_cpus()) if system == "ours-all-cpus" else None)
     else:
         threads_bind = format_cpu_list(all_cpus()) if system == "vllm-all-cpus" else args.vllm_threads_bind
-        server = start_vllm(peer_python, threads_bind, system == "vllm-isolated", log)
+        server = start_vllm(peer_python, threads_bind, system == "vllm-isolated", log, model)
     port = PORTS[system]
     try:
         wait_ready(port, server)
         sampling = {"temperature": args.temperature, "top_p": args.top_p}
-        bench(peer_python, port, checkpoint, 8, 8, seed=1000 + round_index, out=workdir / f"{system}-{round_index}-warm.json",
-              **sampling)
+        bench(peer_python, port, model, 8, 8, seed=1000 + round_index,
+              out=workdir / f"{system}-{round_index}-warm.json", **sampling)
         turn: dict[str, Any] = {"system": system, "round": round_index, "load_start": load_average()}
-        turn["concurrent"] = bench(peer_python, port, checkpoint, args.num_prompts, args.concurrency, seed=0,
+        turn["concurrent"] = bench(peer_python, port, model, args.num_prompts, args.concurrency, seed=0,
                                    out=workdir / f"{system}-{round_index}-concurrent.json", **sampling)
-        turn["one_stream"] = bench(peer_python, port, checkpoint, args.one_stream_prompts, 1, seed=2,
+        turn["one_stream"] = bench(peer_python, port, model, args.one_stream_prompts, 1, seed=2,
                                    out=workdir / f"{system}-{round_index}-one.json", **sampling)
         turn["load_end"] = load_average()
         return turn
@@ -217,7 +235,8 @@ def print_table(turns: list[dict]) -> None:
                   f"{turn['load_start']:>5.2f}->{turn['load_end']:<5.2f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The flags, checked, with ``args.bench_model`` the resolved ``--model`` (its export not made yet)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve_vs_vllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2, help="each round serves ours, then vLLM (or the reverse)")
@@ -231,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                              "ours-all-cpus and vllm-all-cpus (a compute thread on every CPU, shared with the rest)")
     parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python")
     parser.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core)")
-    parser.add_argument("--cache-dir", default=None, help="where the benchmark checkpoint is built")
+    add_model_arg(parser, what=" both servers serve (vLLM: its Hugging Face directory, a GGUF file's export)")
+    parser.add_argument("--cache-dir", default=None, help="where the benchmark checkpoint and GGUF exports are built")
     add_sampling_args(parser)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -239,22 +259,32 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems.split(",")
     if not set(systems) <= set(PORTS):
         parser.error(f"--systems: choose from {sorted(PORTS)}")
+    args.systems = systems
+    args.bench_model = model_from_args(parser, args)
+    return parser, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, args = parse_args(argv)
+    systems, model = args.systems, args.bench_model
     try:
         peer_python = resolve_peer_python(args.vllm_python)
+        model.hf_dir()  # the client's tokenizer and vLLM's checkpoint: made once, before any server starts
     except ValueError as e:
         parser.error(str(e))
-    checkpoint = build_checkpoint(args.cache_dir)
     workdir = Path(tempfile.mkdtemp(prefix="serve-vs-vllm-"))
-    print(f"load average at start {load_average():.2f}; logs and raw results in {workdir}", flush=True)
+    print(f"model {model.name} (ours: {model.engine_model}; vLLM and the client: {model.hf_dir()}), served as "
+          f"{model.served_name}; load average at start {load_average():.2f}; logs and raw results in {workdir}",
+          flush=True)
     turns = []
     for round_index in range(args.rounds):
         order = systems if round_index % 2 == 0 else systems[::-1]
         for system in order:
-            turns.append(one_turn(system, args, peer_python, checkpoint, workdir, round_index))
+            turns.append(one_turn(system, args, peer_python, model, workdir, round_index))
             print(f"round {round_index} {system}: {turns[-1]['concurrent']['output_throughput']:.1f} tok/s "
                   f"at {args.concurrency} concurrent", flush=True)
     print_table(turns)
-    summary = {"turns": turns, "workdir": str(workdir)}
+    summary = {"model": model.describe(), "turns": turns, "workdir": str(workdir)}
     if any(s.startswith("ours") for s in systems) and any(not s.startswith("ours") for s in systems):
         summary["ours_over_vllm"] = ratios(turns)
         for key, value in summary["ours_over_vllm"].items():
