@@ -1,6 +1,8 @@
 """The engine's host time per step, with the model runner replaced by a stand-in device.
 
-``--num-requests`` requests (demo-tiny, ``--prompt-len``-token prompts, ``ignore_eos``) are prefilled and
+``--num-requests`` requests (``--model``, by default the real SmolLM2-135M-Instruct, ``demo-tiny`` as these
+figures were first taken; ``--prompt-len``-token prompts of the model's ordinary tokens, ``ignore_eos``) are
+prefilled and
 decoded until each holds ``--decoded-tokens`` output tokens; then ``--steps`` decode steps of every
 request are timed. That is repeated ``--repeats`` times from fresh requests (so outputs, when copied
 every step, do not grow from block to block); each figure is the median over the blocks. The host
@@ -50,6 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from benchmarks.models import add_model_arg, model_from_args
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.workloads import positive_int
 from engine.engine_core import settle_heap
@@ -57,7 +60,9 @@ from engine.sampling_params import OUTPUT_KINDS
 
 TARGET_US_PER_STEP = 600.0  # the synchronous loop's host time per step at 256 requests
 TARGET_ASYNC_OVERHEAD_US = 300.0  # what the async loop adds to a device step at 256 requests
-STAND_IN_TOKEN_ID = 72  # demo-tiny's "b": a printable ASCII byte, so every token becomes text as in a real run
+# what the stand-in model outputs unless told otherwise (demo-tiny's "b"); the benchmark gives it a printable token
+# of the model (BenchModel.printable_token_id: "a"), so that every token becomes text as in a real run
+STAND_IN_TOKEN_ID = 72
 LOOPS = ("sync", "async", "async-collect-first")
 PARTS = ("scheduling", "block bookkeeping", "input preparation", "output processing", "engine loop")
 
@@ -79,12 +84,12 @@ class StandInEvent:
 
 
 class StandInModel:
-    """The model's stand-in: no compute; every row's logits pick ``STAND_IN_TOKEN_ID``."""
+    """The model's stand-in: no compute; every row's logits pick ``token_id``."""
 
-    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, token_id: int = STAND_IN_TOKEN_ID) -> None:
         self.hidden_size = hidden_size
         self.row = torch.zeros(vocab_size)
-        self.row[STAND_IN_TOKEN_ID] = 1.0
+        self.row[token_id] = 1.0
 
     def __call__(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         return torch.zeros(len(input_ids), self.hidden_size)
@@ -106,7 +111,7 @@ class StandInDevice:
     ``runner``: the runner's launch too, so only the engine core's work runs (how issue 14's targets were
     measured)."""
 
-    def __init__(self, runner, device_ms: float = 0.0, level: str = "model") -> None:
+    def __init__(self, runner, device_ms: float = 0.0, level: str = "model", token_id: int = STAND_IN_TOKEN_ID) -> None:
         from engine.model_runner import LaunchedStep, RunnerOutput
 
         self.seconds = device_ms / 1e3
@@ -114,12 +119,12 @@ class StandInDevice:
         self.intervals: list[list[float]] = []  # [start, end] of each step on the device, in order
         cfg = runner.model_config
         if level == "model":
-            runner.model = StandInModel(cfg.hidden_size, cfg.vocab_size)
+            runner.model = StandInModel(cfg.hidden_size, cfg.vocab_size, token_id)
             launch = runner.launch
         else:
             def launch(batch, sampling):
                 rows = [i for i, sample in enumerate(batch.sample) if sample]
-                tokens = torch.full((len(rows),), STAND_IN_TOKEN_ID, dtype=torch.int64)
+                tokens = torch.full((len(rows),), token_id, dtype=torch.int64)
                 output = RunnerOutput([None] * batch.num_rows, [None] * batch.num_rows)
                 return LaunchedStep(output, batch.request_ids, rows, tokens=tokens, host_tokens=tokens)
 
@@ -150,12 +155,13 @@ def build_engine(args, async_scheduling: bool = False):
     from engine import LLMEngine
 
     blocks_per_request = -(-(args.prompt_len + args.max_tokens) // args.block_size)
-    engine = LLMEngine("demo-tiny", device="cpu", num_threads=1, batching=args.batching,
+    engine = LLMEngine(args.bench_model.engine_model, device="cpu", num_threads=1, batching=args.batching,
                        max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
                        block_size=args.block_size, num_kv_blocks=args.num_requests * blocks_per_request,
                        max_model_len=args.prompt_len + args.max_tokens, async_scheduling=async_scheduling,
                        persistent_batch=args.persistent_batch == "on")
-    engine.stand_in = StandInDevice(engine.runner, args.device_ms, args.stand_in)  # a benchmark's own attribute
+    engine.stand_in = StandInDevice(engine.runner, args.device_ms, args.stand_in,  # a benchmark's own attribute
+                                    args.stand_in_token_id)
     return engine
 
 
@@ -170,8 +176,10 @@ def start_requests(engine, args, block: int) -> None:
         engine.step()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                             output_kind=args.output_kind)
+    low, high = args.bench_model.token_range
+    span = min(256, high - low)
     for i in range(args.num_requests):
-        prompt = [7 + (i * 13 + j) % 256 for j in range(args.prompt_len)]  # distinct byte-id prompts
+        prompt = [low + (i * 13 + j) % span for j in range(args.prompt_len)]  # distinct prompts of ordinary tokens
         engine.add_request(f"{block}-{i}", prompt, params)
     scheduler = engine.scheduler
     while (scheduler.waiting or len(scheduler.running) < args.num_requests
@@ -314,6 +322,7 @@ def plot(parts: dict[str, float], us_per_step: float, num_requests: int, path: s
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scheduler", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arg(parser, what=" whose engine is timed (its weights are loaded; the stand-in replaces its forward)")
     parser.add_argument("--num-requests", type=positive_int, default=256, help="requests decoding in every step")
     parser.add_argument("--steps", type=positive_int, default=50, help="decode steps per timed block")
     parser.add_argument("--repeats", type=positive_int, default=7, help="timed blocks (the median is reported)")
@@ -365,6 +374,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.max_num_batched_tokens = max(2048, args.num_requests)
     prefill_steps = -(-args.num_requests * args.prompt_len // args.max_num_batched_tokens)
     args.max_tokens = args.decoded_tokens + args.steps + prefill_steps + 8
+    args.bench_model = model_from_args(parser, args)
+    try:
+        args.stand_in_token_id = args.bench_model.printable_token_id()
+    except ValueError as e:
+        parser.error(str(e))
     return args
 
 
@@ -414,10 +428,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload: dict[str, Any] = {
         "device_ms": args.device_ms,
         "loops": {name: {k: v for k, v in loop.items() if k != "engine"} for name, loop in loops.items()},
-        "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}, "machine": describe_machine(),
+        "model": args.bench_model.describe(), "stand_in_token_id": args.stand_in_token_id,
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "bench_model")},
+        "machine": describe_machine(),
     }
-    print_table(f"microseconds per step, {args.num_requests} requests decoding ({args.batching}, persistent batch "
-                f"{args.persistent_batch}), stand-in device {args.device_ms:g} ms",
+    print_table(f"microseconds per step, {args.bench_model.name}, {args.num_requests} requests decoding "
+                f"({args.batching}, persistent batch {args.persistent_batch}), stand-in device {args.device_ms:g} ms",
                 ["loop", "wall", "device (slept)", "overhead (wall - device)", "host thread CPU"],
                 [[name, loop["wall_us_per_step"], loop["device_us_per_step"], loop["overhead_us_per_step"],
                   loop["cpu_us_per_step"]] for name, loop in loops.items()])

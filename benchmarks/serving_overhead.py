@@ -1,7 +1,8 @@
 """What the serving path costs: the same engine called directly, and through Ray Serve + HTTP.
 
-Measures, side by side in one run, on the built-in demo-tiny model with the demo config's engine
-arguments:
+Measures, side by side in one run, on ``--model`` (``benchmarks.models``: by default the real SmolLM2-135M-Instruct;
+``demo-tiny``, the built-in model these figures were first taken on; ``bench-random``, a .gguf file, a checkpoint
+directory) with the demo config's engine arguments (float32 on the CPU), on prompts of the model's ordinary tokens:
   * time to first token at 1 stream (sequential requests) for AsyncLLMEngine in this process and
     for HTTP streaming to the Router (on its own port, as ``make run`` serves; ``--ingress proxy``: through
     Serve's proxy) and one LLMReplica;
@@ -29,6 +30,7 @@ from typing import Awaitable, Callable
 
 from tqdm import tqdm
 
+from benchmarks.models import BenchModel, add_model_arg, model_from_args
 from benchmarks.no_work_engine import STEP_S
 from benchmarks.openai_client import client_session, stream_completion
 from benchmarks.report import format_table, write_json
@@ -39,9 +41,11 @@ ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2
 HOST = "127.0.0.1"
 
 
-def prompts(n: int, length: int) -> list[list[int]]:
-    """Distinct token-id prompts (demo-tiny's byte ids start at 7)."""
-    return [[7 + (i * 31 + j * 7) % 256 for j in range(length)] for i in range(n)]
+def prompts(n: int, length: int, token_range: tuple[int, int] = (7, 263)) -> list[list[int]]:
+    """Distinct token-id prompts of the model's ordinary tokens (default: demo-tiny's byte ids, 7 to 262)."""
+    low, high = token_range
+    span = min(256, high - low)
+    return [[low + (i * 31 + j * 7) % span for j in range(length)] for i in range(n)]
 
 
 def _own_cpu_s() -> float:
@@ -86,11 +90,12 @@ async def engine_run(engine, streams: list[list[list[int]]], max_tokens: int) ->
 class Offline:
     """The engine offline (``LLM.generate`` of every request at once) in this process: the share's denominator."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, model: BenchModel) -> None:
         from engine import LLM
 
-        self.llm = LLM("demo-tiny", num_threads=threads, **ENGINE_ARGS)
-        self.tokens_per_s([[7, 8, 9], [10, 11]], 4)  # warm-up
+        self.llm = LLM(model.engine_model, num_threads=threads, **ENGINE_ARGS)
+        low = model.token_range[0]
+        self.tokens_per_s([[low, low + 1, low + 2], [low + 3, low + 4]], 4)  # warm-up
 
     def tokens_per_s(self, batch: list[list[int]], max_tokens: int) -> float:
         from engine import SamplingParams
@@ -102,11 +107,12 @@ class Offline:
 
 
 # -- through Ray Serve and HTTP --------------------------------------------------------------------------
-async def http_run(streams: list[list[list[int]]], max_tokens: int, base_url: str) -> tuple[list[float], float, int]:
+async def http_run(streams: list[list[list[int]]], max_tokens: int, base_url: str,
+                   model_name: str = "demo-tiny") -> tuple[list[float], float, int]:
     """(TTFTs, output tokens/s, failed requests) of ``streams`` through the server's /v1/completions."""
     async with client_session(256, 300) as session:
         async def one(prompt):
-            return await stream_completion(session, base_url, "demo-tiny", prompt, max_tokens, ignore_eos=True,
+            return await stream_completion(session, base_url, model_name, prompt, max_tokens, ignore_eos=True,
                                            temperature=0)
         results, wall = await closed_loop(one, streams)
     errors = sum(not r.ok for r in results)
@@ -114,10 +120,12 @@ async def http_run(streams: list[list[list[int]]], max_tokens: int, base_url: st
 
 
 def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, engine_cpus: str | None = None,
-                 stream_channel: bool = True, ingress: str = "router") -> tuple[str, str | None]:
+                 stream_channel: bool = True, ingress: str = "router", model: BenchModel | None = None
+                 ) -> tuple[str, str | None]:
     """The demo config's deployments served as ``make run`` serves them (access logs off, the API on the router's
     own port, Serve's proxy on the configs' port); returns the URLs of ours and, with ``no_work``, of the bare
-    Ray Serve app, on ``ingress``: the routers' own ports, or Serve's proxy. With ``engine_cpus``, as ``make
+    Ray Serve app, on ``ingress``: the routers' own ports, or Serve's proxy. ``model``: what the replica serves
+    (None: demo-tiny). With ``engine_cpus``, as ``make
     run`` serves a config with them: the replica's engine process on those CPUs, and this process, so Ray and
     everything it starts (and the load generator), on the others."""
     from serve_app import ray_env
@@ -140,7 +148,9 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": HOST, "port": ray_env.LOCAL_PROXY_PORT}, logging_config={"enable_access_log": False})
     extra = {"max_messages_per_s": max_messages_per_s} if max_messages_per_s else {}
-    config = AppConfig(model="demo-tiny", engine_args={**ENGINE_ARGS, "num_threads": threads},
+    served = {"model": "demo-tiny"} if model is None else {"model": model.engine_model,
+                                                             "served_model_name": model.served_name}
+    config = AppConfig(**served, engine_args={**ENGINE_ARGS, "num_threads": threads},
                        max_pending_requests=512, max_queued_requests_per_replica=256, engine_cpus=engine_cpus,
                        stream_channel=stream_channel, **extra)
     engine_cls = None
@@ -163,8 +173,11 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     return url("overhead", "/"), url("bare", "/bare")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with ``args.bench_model`` the resolved ``--model``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving_overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arg(parser, what=" served and run offline (with --engine no-work: only named)")
     parser.add_argument("--engine", choices=("real", "no-work"), default="real")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--requests-per-stream", type=int, default=4, help="at --streams concurrent streams")
@@ -187,15 +200,22 @@ def main() -> None:
                         "after the engine offline on the same requests (the server idle meanwhile): each round's share "
                         "is of its own offline run, so a machine that changes speed hits both; the median is reported")
     parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.bench_model = model_from_args(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model = args.bench_model
     ENGINE_ARGS["persistent_batch"] = args.persistent_batch == "on"
 
     import torch
 
     from engine import AsyncLLMEngine
 
-    single = [prompts(args.single_requests, args.prompt_len)]  # one stream: requests one after another
-    many = prompts(args.streams * args.requests_per_stream, args.prompt_len)
+    single = [prompts(args.single_requests, args.prompt_len, model.token_range)]  # one stream: one after another
+    many = prompts(args.streams * args.requests_per_stream, args.prompt_len, model.token_range)
     streams = [many[i::args.streams] for i in range(args.streams)]
     real = args.engine == "real"
     nan = float("nan")
@@ -205,7 +225,7 @@ def main() -> None:
         offline = None
         if real:
             async def direct():
-                engine = AsyncLLMEngine("demo-tiny", num_threads=args.threads, **ENGINE_ARGS)
+                engine = AsyncLLMEngine(model.engine_model, num_threads=args.threads, **ENGINE_ARGS)
                 await engine_run(engine, [single[0][:2]], 4)  # warm-up
                 one = await engine_run(engine, single, args.max_tokens)
                 bar.update()
@@ -215,16 +235,18 @@ def main() -> None:
                 return one, many_
 
             (e1, _), (e64, e64_tps) = asyncio.run(direct())
-            offline = Offline(args.threads)
+            offline = Offline(args.threads, model)
         url, bare_url = start_server(args.threads, not real, args.max_messages_per_s,
-                                     (args.engine_cpus or None) if real else None, args.stream_channel == "on", args.ingress)
-        asyncio.run(http_run([single[0][:2]], 4, url))  # warm-up
+                                     (args.engine_cpus or None) if real else None, args.stream_channel == "on",
+                                     args.ingress, model)
+        name = model.served_name
+        asyncio.run(http_run([single[0][:2]], 4, url, name))  # warm-up
         if real:
-            h1, _, err1 = asyncio.run(http_run(single, args.max_tokens, url))
+            h1, _, err1 = asyncio.run(http_run(single, args.max_tokens, url, name))
         else:  # ours and the bare path in turn, request by request: drift on a shared machine hits both
-            asyncio.run(http_run([single[0][:2]], 4, bare_url))
-            pairs = [(asyncio.run(http_run([[p]], args.max_tokens, url)),
-                      asyncio.run(http_run([[p]], args.max_tokens, bare_url))) for p in single[0]]
+            asyncio.run(http_run([single[0][:2]], 4, bare_url, name))
+            pairs = [(asyncio.run(http_run([[p]], args.max_tokens, url, name)),
+                      asyncio.run(http_run([[p]], args.max_tokens, bare_url, name))) for p in single[0]]
             h1 = [t for ours, _ in pairs for t in ours[0]]
             e1 = [t for _, bare in pairs for t in bare[0]]
             err1 = sum(ours[2] + bare[2] for ours, bare in pairs)
@@ -233,12 +255,12 @@ def main() -> None:
         # its row counts (the first offline run after start-up came out 15-25% slower than the ones after it).
         if offline is not None:
             offline.tokens_per_s(many, args.max_tokens)
-            asyncio.run(http_run(streams, args.max_tokens, url))
+            asyncio.run(http_run(streams, args.max_tokens, url, name))
         rounds, h64, err64, cpu = [], [], 0, {}
         for _ in range(args.rounds):
             offline_tps = offline.tokens_per_s(many, args.max_tokens) if offline is not None else nan
             before, client_before = sample_processes("overhead"), _own_cpu_s()
-            ttfts, tps, errors = asyncio.run(http_run(streams, args.max_tokens, url))
+            ttfts, tps, errors = asyncio.run(http_run(streams, args.max_tokens, url, name))
             for role, seconds in {**cpu_by_role(before, sample_processes("overhead")),
                                   "load generator": _own_cpu_s() - client_before}.items():
                 cpu[role] = cpu.get(role, 0.0) + seconds
@@ -249,7 +271,7 @@ def main() -> None:
         num_requests = args.rounds * sum(len(s) for s in streams)
         h64_tps = statistics.median(r["http_64"] for r in rounds)
         if not real:
-            e64, e64_tps, bare_errors = asyncio.run(http_run(streams, args.max_tokens, bare_url))
+            e64, e64_tps, bare_errors = asyncio.run(http_run(streams, args.max_tokens, bare_url, name))
             err64 += bare_errors
         bar.update()
 
@@ -264,7 +286,8 @@ def main() -> None:
         "tokens_per_s": {"offline": offline_tps, "engine_64": e64_tps, "http_64": h64_tps},
         "rounds": rounds,  # each 64-stream HTTP run, its offline run just before, and the share
         "errors": {"http_1": err1, "http_64": err64},
-        "ttft_added_ms_1_stream": added, "http_share_of_offline": share, "config": vars(args),
+        "ttft_added_ms_1_stream": added, "http_share_of_offline": share, "model": model.describe(),
+        "config": {k: v for k, v in vars(args).items() if k != "bench_model"},
         "engine_args": ENGINE_ARGS, "load_average": os.getloadavg(),
         # CPU each process role spent per request of the 64-stream HTTP run (the engine's process, our deployments,
         # Serve's proxy and controller, this process as the load generator)
@@ -274,7 +297,8 @@ def main() -> None:
     rows = [["1 stream", f"{p50(e1) * 1e3:.1f}", f"{p50(h1) * 1e3:.1f}", f"{added:.1f}", "", ""],
             [f"{args.streams} streams", f"{p50(e64) * 1e3:.1f}", f"{p50(h64) * 1e3:.1f}",
              f"{(p50(h64) - p50(e64)) * 1e3:.1f}", f"{e64_tps:.0f}", f"{h64_tps:.0f}"]]
-    print()
+    print(f"\nmodel {model.name} (served as {model.served_name}), prompts of {args.prompt_len} tokens, "
+          f"{args.max_tokens} output tokens each")
     print(format_table(["load", f"{base} TTFT p50 ms", "HTTP TTFT p50 ms", "added ms", f"{base} tok/s",
                         "HTTP tok/s"], rows))
     print("\nCPU per request at", args.streams, "streams: " + ", ".join(

@@ -31,8 +31,8 @@ def test_part_timer_takes_inner_parts_out_of_outer_ones():
 
 def test_a_small_run_reports_both_loops(tmp_path, capsys):
     out = tmp_path / "out.json"
-    scheduler.main(["--num-requests", "8", "--steps", "5", "--repeats", "2", "--decoded-tokens", "3",
-                    "--prompt-len", "8", "--device-ms", "2", "--no-settle-heap", "--json", str(out),
+    scheduler.main(["--model", "demo-tiny", "--num-requests", "8", "--steps", "5", "--repeats", "2",
+                    "--decoded-tokens", "3", "--prompt-len", "8", "--device-ms", "2", "--no-settle-heap", "--json", str(out),
                     "--loops", "sync,async,async-collect-first"])
     result = json.loads(out.read_text())
     assert result["us_per_step"] > 0 and len(result["us_per_step_blocks"]) == 2
@@ -63,8 +63,8 @@ def test_opcode_counts_repeat_exactly_and_grow_with_the_batch():
     its per-row work being in C loops."""
     counts = {}
     for persistent, num_requests in (("off", 4), ("off", 4), ("off", 16), ("on", 16)):
-        args = scheduler.parse_args(["--num-requests", str(num_requests), "--steps", "5", "--decoded-tokens", "3",
-                                     "--prompt-len", "8", "--persistent-batch", persistent])
+        args = scheduler.parse_args(["--model", "demo-tiny", "--num-requests", str(num_requests), "--steps", "5",
+                                     "--decoded-tokens", "3", "--prompt-len", "8", "--persistent-batch", persistent])
         engine = scheduler.build_engine(args)
         scheduler.start_requests(engine, args, 0)
         counts.setdefault((persistent, num_requests), []).append(scheduler.count_opcodes(engine, 3))
