@@ -11,6 +11,9 @@ What is measured:
    requests join when their arrival time has come, idle gaps are skipped rather than slept), so
    queueing is part of latency.
 
+On ``--model`` (default ``bench-random``, the random benchmark checkpoint these figures were taken on; the real
+``smollm2-135m-instruct``, a .gguf file...: ``benchmarks.models``).
+
 Reported per mode: mean/p50/p90/p99 end-to-end latency (arrival to completion) and time to first
 token, and the ratio of mean latencies continuous / static, whose target is <= 0.43. Same KV budget
 as the offline benchmark: 8,000 tokens (500 blocks of 16).
@@ -29,9 +32,10 @@ import torch
 from benchmarks.arrivals import arrival_times
 from benchmarks.engine_run import EngineRun, run_engine
 from benchmarks.metrics import summarize
+from benchmarks.models import RANDOM, add_model_arg, model_from_args
 from benchmarks.report import describe_machine, load_average, print_table, write_json
 from benchmarks.workloads import (
-    add_engine_args, add_workload_args, build_checkpoint, describe_workload, make_engine, workload_from_args,
+    add_engine_args, add_workload_args, describe_workload, make_engine, workload_from_args,
 )
 
 MODES = ("continuous", "static")
@@ -64,6 +68,7 @@ def print_report(results: dict[str, EngineRun], capacity: float, rate: float, wo
 def parse_args(argv: Sequence[str] | None = None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.online_latency", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arg(parser, default=RANDOM)
     add_workload_args(parser)
     add_engine_args(parser)
     parser.add_argument("--rate-fraction", type=float, default=0.5,
@@ -82,14 +87,15 @@ def parse_args(argv: Sequence[str] | None = None):
         parser.error(f"--capacity must be > 0, got {args.capacity}")
     if args.trace:
         parser.error("--trace: this benchmark makes its own arrivals; replay a trace with benchmarks.offline")
-    requests, _, _ = workload_from_args(parser, args)
+    args.bench_model = model_from_args(parser, args)
+    requests, _, _ = workload_from_args(parser, args, args.bench_model)
     return args, requests
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, requests = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_path = str(build_checkpoint(args.cache_dir))
+    model_path = args.bench_model.engine_model
     load_start = load_average()
     capacity = args.capacity
     if capacity is None:
@@ -109,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = print_report(results, capacity, rate, workload, loads, args)
     write_json(args.json, {
         "benchmark": "online_latency",
-        "config": {k: v for k, v in vars(args).items() if k != "json"}, "model": model_path,
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "bench_model")},
+        "model": args.bench_model.describe(),
         "machine": {**describe_machine(), "load_average_start": loads[0], "load_average_end": loads[1]},
         "capacity_req_per_s": capacity, "capacity_measured": args.capacity is None, "rate_req_per_s": rate,
         "workload": workload, "arrivals_s": arrivals,

@@ -3,9 +3,10 @@ and what to run.
 
 ``--over rate`` replays the workload at each request rate in ``--values`` (gamma arrivals, ``--burstiness``)
 in both modes; ``--over max-num-seqs`` runs it with each number of batch slots, everything arriving at once
-(unless ``--rate`` is given). Offline (default), each point is our ``LLMEngine`` on the benchmark checkpoint
-on the step clock (``benchmarks.engine_run``). With ``--serving static=URL,continuous=URL`` a rate sweep
-instead loads two running servers, one per mode, through ``benchmarks.serving``.
+(unless ``--rate`` is given). Offline (default), each point is our ``LLMEngine`` on ``--model`` (default
+``bench-random``, the random benchmark checkpoint these figures were taken on; ``benchmarks.models``) on the
+step clock (``benchmarks.engine_run``). With ``--serving static=URL,continuous=URL`` a rate sweep instead loads
+two running servers, one per mode, through ``benchmarks.serving``.
 
 A point's throughput is useful output tokens/s; its latency is end-to-end (arrival to completion), the
 ``--latency`` statistic. The modes are compared at each sweep value, by latency for a rate sweep (both
@@ -33,9 +34,10 @@ from benchmarks.metrics import (
     SLO, CurveComparison, OperatingPoint, compare_curves, interpolate, pick_operating_point, recommend_token_budget,
     summarize,
 )
+from benchmarks.models import RANDOM, add_model_arg, model_from_args
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.workloads import (
-    BenchRequest, add_engine_args, add_workload_args, build_checkpoint, describe_workload, make_engine,
+    BenchRequest, add_engine_args, add_workload_args, describe_workload, make_engine,
     positive_int, workload_from_args,
 )
 
@@ -77,7 +79,7 @@ def serving_point(url: str, mode: str, rate: float, requests: Sequence[BenchRequ
     from benchmarks.serving import LoadRequest, first_model, run_load, summarize_load
 
     model = asyncio.run(first_model(url, args.timeout_s))
-    load = [LoadRequest(r.prompt_token_ids, r.max_tokens) for r in requests]
+    load = [LoadRequest(r.prompt_token_ids, r.max_tokens, r.ignore_eos) for r in requests]
     arrivals = arrival_times(len(load), rate, args.burstiness, args.seed)
     results, duration = asyncio.run(run_load(url, model, load, arrivals, None, {"temperature": 0.0, "ignore_eos": True},
                                              args.timeout_s, desc=f"{mode} rate {rate:g}"))
@@ -240,6 +242,8 @@ def parse_serving(text: str) -> dict[str, str]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arg(parser, default=RANDOM, what=" our engine runs offline (with --serving: whose tokens the prompts "
+                                               "are)")
     add_workload_args(parser, num_requests=32)
     add_engine_args(parser)
     parser.add_argument("--over", choices=["rate", "max-num-seqs"], default="rate", help="what the sweep varies")
@@ -271,7 +275,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--rate must be > 0, got {args.rate}")
     if args.trace:
         parser.error("--trace: a sweep makes its own arrivals; replay a trace with benchmarks.offline")
-    args.requests, _, args.name = workload_from_args(parser, args)
+    args.bench_model = model_from_args(parser, args)
+    args.requests, _, args.name = workload_from_args(parser, args, args.bench_model)
     return args
 
 
@@ -279,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     requests = args.requests
     torch.set_num_threads(args.threads)
-    model_path = None if args.serving else str(build_checkpoint(args.cache_dir))
+    model_path = None if args.serving else args.bench_model.engine_model
     points: dict[str, list[Point]] = {mode: [] for mode in MODES}
     load_start = load_average()
     for value in args.values:
@@ -303,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(args.json, {
         "benchmark": "sweep", "over": args.over, "values": args.values, "latency": args.latency,
         "workload_name": args.name, "workload": describe_workload(requests),
-        "config": {k: v for k, v in vars(args).items() if k not in ("json", "requests")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "requests", "bench_model")},
+        "model": args.bench_model.describe(),
         "machine": {**describe_machine(), "load_average_start": load_start}, "points": points, "winners": comparison.winners,
         "crossovers": comparison.crossovers, "messages": describe_comparison(comparison, args),
         "recommendation": advice,

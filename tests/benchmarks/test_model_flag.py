@@ -140,3 +140,13 @@ def test_help_names_the_flag(module, capsys):
         parse(["--help"])
     out = capsys.readouterr().out
     assert "--model" in out and RANDOM in out  # the flag and its choices are documented
+
+
+def test_online_latency_and_sweep_take_the_flag_and_keep_the_toy_default():
+    from benchmarks import online_latency, sweep
+
+    args, _ = online_latency.parse_args(["--num-requests", "2"])
+    assert args.bench_model.kind == "random" and sweep.parse_args([]).bench_model.kind == "random"
+    args, requests = online_latency.parse_args([*model_flag(SMOLLM2), "--workload", "chat", "--num-requests", "2"])
+    assert args.bench_model.kind == "packaged" and not any(r.ignore_eos for r in requests)
+    assert sweep.parse_args([*model_flag("GGUF")]).bench_model.kind == "gguf"
