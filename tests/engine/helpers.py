@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any
 
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, AsyncLLMEngine, LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.request import Request
 from engine.scheduler import Scheduler, make_scheduler as _make_scheduler
@@ -141,3 +142,43 @@ def launch_ahead(monkeypatch, runner) -> list[int]:
 
     runner.launch = counting_launch
     return ahead
+
+
+# -- an async engine whose streams never fall behind ----------------------------------------------------
+
+class LockstepEngine(AsyncLLMEngine):
+    """An ``AsyncLLMEngine`` that hands a step's outputs to its streams only once every stream has taken the
+    outputs before them: a consumer never falls behind, whatever the machine's speed.
+
+    Without it, a consumer that lags (on a busy machine the event loop waits for a core while the engine steps
+    on) finds several steps' outputs queued and gets them merged into one (``AsyncLLMEngine._stream``), so how many
+    outputs a stream gets, and which of them first carries text, depend on timing. Here a stream gets exactly the
+    outputs the front end made: one per step that gave it something, fewer where pacing held some back. The thread
+    that reports waits for the consumers (at most ``wait_s``: a stream nobody reads must not hang the engine)."""
+
+    wait_s = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._taken = threading.Event()  # every output handed over so far has been taken
+        self._taken.set()
+        super().__init__(*args, **kwargs)
+
+    def _on_report(self, report) -> None:  # on the thread that reports (the step thread, or the process's reader)
+        if report.records:
+            self._taken.wait(self.wait_s)
+            self._taken.clear()
+        super()._on_report(report)
+
+    def _deliver(self, records) -> None:  # on the event loop
+        super()._deliver(records)
+        self._set_when_taken()
+
+    def _set_when_taken(self) -> None:
+        if any(queue.qsize() for queue in self._queues.values()):
+            self._loop.call_soon(self._set_when_taken)  # again once the consumers it woke have run
+        else:
+            self._taken.set()
+
+    async def shutdown(self) -> None:
+        self._taken.set()
+        await super().shutdown()

@@ -4,6 +4,11 @@ An ``LLMReplica`` is driven in this process (no Serve) with demo-tiny, whose byt
 bytes of a character: the detokenizer holds such a token's text back, and the router sends a client nothing for
 it. The pacing window (``active streams / max_messages_per_s``) is made 1,000 s, so a message sent after a window
 has started can only be the last one.
+
+The engine is a ``LockstepEngine``: it hands the replica a step's output only once the replica has taken the one
+before, as a consumer keeping up would. (A consumer that lags, on a busy machine, gets the outputs queued meanwhile
+merged into one message: the first text and the last output would arrive together, or the first token with its
+text, whatever the pacing did.)
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from serve_app.replica import LLMReplica
+from tests.engine.helpers import LockstepEngine
 
 pytestmark = pytest.mark.timeout(120, func_only=True)
 
@@ -37,7 +43,7 @@ def test_a_first_token_without_text_does_not_hold_back_the_text_behind_it():
     assert expected  # the text comes with later tokens
 
     async def messages() -> list[dict]:
-        replica = LLMReplica("demo-tiny", ENGINE_ARGS, max_messages_per_s=1e-3)
+        replica = LLMReplica("demo-tiny", ENGINE_ARGS, max_messages_per_s=1e-3, engine_cls=LockstepEngine)
         request = {"kind": "completion", "request_id": "paced", "prompt": prompt,
                    "params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}
         try:
