@@ -1,5 +1,9 @@
 """AsyncLLMEngine: streaming, concurrency, cancellation, errors and a dead step loop. No pytest-asyncio:
-each test runs its own event loop with asyncio.run and a timeout, so nothing can hang."""
+each test runs its own event loop with asyncio.run and a timeout, so nothing can hang.
+
+A test that counts a stream's outputs, or how far the engine ran before an abort, uses a ``LockstepEngine`` (the
+engine never hands over a step's outputs before the consumer took the ones before): on a busy machine the event loop
+can lag the engine by many steps, whose outputs would then arrive merged."""
 
 from __future__ import annotations
 
@@ -8,15 +12,16 @@ import asyncio
 import pytest
 
 from engine import AsyncLLMEngine, EngineDeadError
-from tests.engine.helpers import assert_engine_dead, generate_ids, greedy, make_engine, random_prompts
+from tests.engine.helpers import LockstepEngine, assert_engine_dead, generate_ids, greedy, make_engine, random_prompts
 
 TIMEOUT_S = 30
 
 
-def run(coro_fn, **engine_args):
-    """Run ``coro_fn(async_engine)`` on a fresh event loop with a timeout; shut the engine down afterwards."""
+def run(coro_fn, lockstep: bool = False, **engine_args):
+    """Run ``coro_fn(async_engine)`` on a fresh event loop with a timeout; shut the engine down afterwards.
+    ``lockstep``: a ``LockstepEngine``, whose consumers never fall behind."""
     async def main():
-        aengine = AsyncLLMEngine(engine=make_engine(**engine_args))
+        aengine = (LockstepEngine if lockstep else AsyncLLMEngine)(engine=make_engine(**engine_args))
         try:
             return await asyncio.wait_for(coro_fn(aengine), TIMEOUT_S)
         finally:
@@ -49,7 +54,7 @@ def test_stream_concatenates_to_final_and_matches_sync():
     async def body(aengine):
         return await collect(aengine, prompt, greedy(10))
 
-    outs = run(body)
+    outs = run(body, lockstep=True)
     assert len(outs) >= 2, "outputs are streamed step by step"
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     final = outs[-1].outputs[0]
@@ -90,7 +95,7 @@ def test_breaking_out_of_the_stream_aborts_and_frees_blocks():
         after = await collect(aengine, [10, 11], greedy(3))
         return freed, idle, generated, after
 
-    freed, idle, generated, after = run(body)
+    freed, idle, generated, after = run(body, lockstep=True)  # the engine cannot run far past the break
     assert freed, "KV blocks were not freed after the consumer stopped iterating"
     assert idle and generated < LONG, "the request ran on instead of being aborted"
     assert after[-1].finished and len(after[-1].outputs[0].token_ids) == 3
@@ -113,7 +118,7 @@ def test_cancelling_the_task_aborts_and_frees_blocks():
                                  not aengine.engine.has_unfinished_requests())
         return freed, aengine.engine.num_generated_tokens
 
-    freed, generated = run(body)
+    freed, generated = run(body, lockstep=True)  # the engine cannot run far past the cancel
     assert freed, "KV blocks were not freed after the task was cancelled"
     assert generated < LONG, "the request ran on instead of being aborted"
 
@@ -161,7 +166,7 @@ def test_dead_step_loop_fails_health_check_and_in_flight_requests(monkeypatch):
         await assert_engine_dead(aengine, stream)
         return True
 
-    assert run(body)
+    assert run(body, lockstep=True)  # the request cannot end before the fault is in
 
 
 def test_shutdown_after_the_step_loop_died_does_not_raise(monkeypatch):
@@ -180,15 +185,19 @@ def test_shutdown_after_the_step_loop_died_does_not_raise(monkeypatch):
 
 
 def test_a_slow_consumer_gets_merged_outputs_that_lose_nothing():
-    """One message per read, not per token: steps pile up while the consumer sleeps and arrive merged."""
+    """One message per read, not per token: steps pile up while the consumer is busy and arrive merged."""
     prompt = random_prompts(1, 8, 8, seed=2)[0]
     [want] = generate_ids(make_engine(), [prompt], greedy(40))
 
     async def body(aengine):
+        steps = []
+        aengine.step_observer = lambda seconds, rows: steps.append(rows)  # on the thread that reports
         outs = []
         async for out in aengine.generate(prompt, greedy(40)):
             outs.append(out)
-            await asyncio.sleep(0.05)  # far slower than a demo-tiny step
+            # Busy until the engine has done 5 more steps (however long they take), or all of them.
+            seen = len(steps)
+            assert await wait_until(lambda: len(steps) >= seen + 5 or aengine.stats()["num_running"] == 0, TIMEOUT_S)
         return outs
 
     outs = run(body)
@@ -211,8 +220,8 @@ def test_submit_validates_at_once_and_returns_the_prompt_ids():
 
 
 def _paced(coro_fn, max_outputs_per_s: float, **engine_args):
-    async def main():
-        aengine = AsyncLLMEngine(engine=make_engine(**engine_args), max_outputs_per_s=max_outputs_per_s)
+    async def main():  # lockstep: the outputs a stream gets are those the pacing made, not merged by a lagging loop
+        aengine = LockstepEngine(engine=make_engine(**engine_args), max_outputs_per_s=max_outputs_per_s)
         try:
             return await asyncio.wait_for(coro_fn(aengine), TIMEOUT_S)
         finally:

@@ -11,14 +11,17 @@ import os
 import pytest
 
 from engine import AsyncLLMEngine, DeadlineUnmeetableError, PoolingParams, SamplingParams
-from tests.engine.helpers import ENGINE_DEFAULTS, assert_engine_dead, greedy, make_engine, random_prompts, run_engine
+from tests.engine.helpers import (ENGINE_DEFAULTS, LockstepEngine, assert_engine_dead, greedy, make_engine,
+                                  random_prompts, run_engine)
 
 TIMEOUT_S = 60
 
 
-def run(coro_fn, **engine_args):
+def run(coro_fn, lockstep: bool = False, **engine_args):
+    """``lockstep``: a ``LockstepEngine``, whose consumers never fall behind (each output is one step's)."""
     async def main():
-        aengine = AsyncLLMEngine("demo-tiny", engine_process=True, **{**ENGINE_DEFAULTS, **engine_args})
+        engine_cls = LockstepEngine if lockstep else AsyncLLMEngine
+        aengine = engine_cls("demo-tiny", engine_process=True, **{**ENGINE_DEFAULTS, **engine_args})
         try:
             return await asyncio.wait_for(coro_fn(aengine), TIMEOUT_S)
         finally:
@@ -98,7 +101,8 @@ def test_a_bad_request_fails_at_submit_and_leaving_a_stream_frees_its_blocks():
             await asyncio.sleep(0.02)
         return await final(aengine, [10, 11, 12], greedy(3))
 
-    assert run(body).outputs[0].finish_reason == "length"
+    # lockstep: the first output is the first step's, however far the engine's process got before it was read
+    assert run(body, lockstep=True).outputs[0].finish_reason == "length"
 
 
 def test_an_unmeetable_deadline_is_refused_from_the_process_view():
@@ -124,10 +128,12 @@ def test_an_unmeetable_deadline_is_refused_from_the_process_view():
 
 def test_a_killed_engine_process_fails_its_requests_and_the_health_check():
     async def body():
-        aengine = AsyncLLMEngine("demo-tiny", engine_process=True, **ENGINE_DEFAULTS)
+        # The request must still run when the process is killed, right after its first output is read, even if this
+        # process was kept off the CPU meanwhile: ~4,000 tokens take the engine's process seconds.
+        aengine = AsyncLLMEngine("demo-tiny", engine_process=True, **{**ENGINE_DEFAULTS, "num_kv_blocks": 1024})
         try:
             aengine.check_health()
-            stream = aengine.generate(random_prompts(1, 10, 10, seed=6)[0], greedy(1000))
+            stream = aengine.generate(random_prompts(1, 10, 10, seed=6)[0], greedy(4000))
             await stream.__anext__()
             aengine._core._process.kill()
             await assert_engine_dead(aengine, stream)

@@ -112,7 +112,7 @@ def test_bad_output_kind_is_named():
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
 def test_async_delta_for_a_slow_consumer_loses_nothing(engine_process):
-    """Outputs that pile up while the consumer sleeps are merged; delta merging must join, not replace."""
+    """Outputs that pile up while the consumer is busy are merged; delta merging must join, not replace."""
     want = outputs_by_request(make_engine(), [params_for("cumulative")], PROMPTS[:1])["r0"][-1]
 
     async def main():
@@ -122,10 +122,15 @@ def test_async_delta_for_a_slow_consumer_loses_nothing(engine_process):
         else:
             aengine = AsyncLLMEngine(engine=make_engine())
         try:
+            steps = []
+            aengine.step_observer = lambda seconds, rows: steps.append(rows)  # on the thread that reports
             outs = []
             async for out in aengine.generate(PROMPTS[0], params_for("delta")):
                 outs.append(out)
-                await asyncio.sleep(0.03)
+                # Busy until the engine has done 4 more steps (however long they take), or all of them.
+                seen = len(steps)
+                while len(steps) < seen + 4 and aengine.stats()["num_running"]:
+                    await asyncio.sleep(0.005)
             return outs
         finally:
             await asyncio.wait_for(aengine.shutdown(), 10)
