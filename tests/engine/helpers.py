@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time as _time
 from typing import Any
 
 from engine import LLM, AsyncLLMEngine, LLMEngine, SamplingParams
@@ -142,6 +143,42 @@ def launch_ahead(monkeypatch, runner) -> list[int]:
 
     runner.launch = counting_launch
     return ahead
+
+
+# -- a clock the test moves ----------------------------------------------------------------------------
+
+class HandClock:
+    """A stand-in for a module's ``time``: ``time()`` and ``monotonic()`` move only when the test moves them
+    (``advance``); the other clocks are the real ones. ``hand_clock`` puts one in place of the engine's."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    monotonic = time
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_time, name)
+
+
+def hand_clock(monkeypatch) -> HandClock:
+    """The engine's wall clock, moved by the test: a request's arrival, the scheduler's deadlines and aging, the
+    queue views admission predicts from and its ``now`` (and the async engine's pacing clock). How long the
+    machine really takes between two steps, or between a view and a request, then decides nothing."""
+    import engine.async_engine
+    import engine.llm_engine
+    import engine.request
+    import engine.scheduler
+
+    clock = HandClock(_time.time())
+    for module in (engine.request, engine.scheduler, engine.llm_engine, engine.async_engine):
+        monkeypatch.setattr(module, "time", clock)
+    return clock
 
 
 # -- an async engine whose streams never fall behind ----------------------------------------------------

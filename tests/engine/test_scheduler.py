@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from tests.engine.helpers import EOS_ID, fake_step, make_request, make_requests, make_scheduler
+from tests.engine.helpers import EOS_ID, fake_step, hand_clock, make_request, make_requests, make_scheduler
 
 
 def blocks_used(scheduler) -> int:
@@ -154,17 +152,18 @@ def test_request_larger_than_kv_pool_is_rejected_or_finishes():
                                  f"{scheduler.num_preemptions} preemptions of a request that can never fit")
 
 
-def test_timeout_ends_request_and_frees_blocks():
+def test_timeout_ends_request_and_frees_blocks(monkeypatch):
+    clock = hand_clock(monkeypatch)  # a slow machine must not end "slow" before its first step
     scheduler = make_scheduler(num_kv_blocks=16)
     slow = make_request("slow", 6, max_tokens=50, timeout_s=0.2)
-    queued = make_request("queued", 6, max_tokens=50, timeout_s=5.0, arrival_time=time.time() - 10)
+    queued = make_request("queued", 6, max_tokens=50, timeout_s=5.0, arrival_time=clock.time() - 10)
     other = make_request("other", 6, max_tokens=50)
     scheduler.add(slow)
     fake_step(scheduler)
     assert blocks_used(scheduler) == 2
     scheduler.add(queued)  # already past its deadline when it is first scheduled
     scheduler.add(other)
-    time.sleep(0.25)
+    clock.advance(0.25)
     out, _ = fake_step(scheduler)
     assert out.request_ids == ["other"]
     for r in (slow, queued):

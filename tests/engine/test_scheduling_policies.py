@@ -13,13 +13,19 @@ import time
 
 import pytest
 
-from tests.engine.helpers import fake_step, greedy, make_engine, make_request, make_scheduler, random_prompts
+from tests.engine.helpers import (fake_step, greedy, hand_clock, make_engine, make_request, make_scheduler,
+                                  random_prompts)
 
 
-def flood(max_queue_wait_s, seconds_cap: float) -> float | None:
+STEP_S = 0.01  # how far the engine's clock moves per step in ``flood``
+
+
+def flood(monkeypatch, max_queue_wait_s, seconds_cap: float) -> float | None:
     """A priority-10 request behind a never-ending flood of priority-0 requests (always two waiting),
     two batch slots. Returns how long it waited for its first token, or None if it never got one
-    within ``seconds_cap``."""
+    within ``seconds_cap``. Time is the engine's clock, which moves ``STEP_S`` a step (``hand_clock``): how long
+    the machine takes for a step decides nothing."""
+    clock = hand_clock(monkeypatch)
     engine = make_engine(scheduling_policy="priority", max_queue_wait_s=max_queue_wait_s, max_num_seqs=2,
                          max_num_batched_tokens=64, num_kv_blocks=256)
     prompts = itertools.cycle(random_prompts(16, 4, 12, seed=3))
@@ -31,25 +37,27 @@ def flood(max_queue_wait_s, seconds_cap: float) -> float | None:
     for _ in range(4):
         add_urgent()
     engine.step()  # the slots are taken by urgent work before the low-priority request arrives
-    start = time.time()
+    clock.advance(STEP_S)
+    start = clock.time()
     engine.add_request("patient", next(prompts), greedy(3), priority=10)
-    while time.time() - start < seconds_cap:
+    while clock.time() - start < seconds_cap:
         while engine.stats()["num_waiting"] < 3:  # the patient one plus at least two urgent ones
             add_urgent()
         for output in engine.step():
             if output.request_id == "patient" and output.outputs[0].token_ids:
-                return time.time() - start
+                return clock.time() - start
+        clock.advance(STEP_S)
     return None
 
 
-def test_starvation_bound_under_a_flood_of_urgent_requests():
-    waited = flood(max_queue_wait_s=0.5, seconds_cap=5.0)
+def test_starvation_bound_under_a_flood_of_urgent_requests(monkeypatch):
+    waited = flood(monkeypatch, max_queue_wait_s=0.5, seconds_cap=5.0)
     assert waited is not None and waited <= 0.5 + 1.0, waited
 
 
-def test_without_aging_the_flood_starves_the_low_priority_request():
+def test_without_aging_the_flood_starves_the_low_priority_request(monkeypatch):
     """The flood is real: with aging off the patient request gets nothing in 2 s (sanity for the test above)."""
-    assert flood(max_queue_wait_s=None, seconds_cap=2.0) is None
+    assert flood(monkeypatch, max_queue_wait_s=None, seconds_cap=2.0) is None
 
 
 def test_lower_priority_value_is_admitted_first():
@@ -131,10 +139,11 @@ def test_an_aged_request_once_admitted_is_not_preempted_by_urgent_work():
     assert scheduler.num_preemptions == 0
 
 
-def test_a_request_preempted_after_admission_does_not_age_into_preempting_others():
+def test_a_request_preempted_after_admission_does_not_age_into_preempting_others(monkeypatch):
     """Its first admission ended its wait: aging it again would let it preempt in turn (a cascade)."""
+    clock = hand_clock(monkeypatch)  # "victim" is 1 s short of aging: a slow machine must not age it
     scheduler = make_scheduler(scheduling_policy="priority", max_queue_wait_s=5.0, max_num_seqs=1)
-    victim = make_request("victim", 4, max_tokens=20, arrival_time=time.time() - 4)  # not aged yet
+    victim = make_request("victim", 4, max_tokens=20, arrival_time=clock.time() - 4)  # not aged yet
     victim.priority = 5
     scheduler.add(victim)
     fake_step(scheduler)

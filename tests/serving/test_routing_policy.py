@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
 
 from engine.block_hash import block_hashes
+from serve_app import admission, routing
 from serve_app.admission import AdmissionController, DrainRate
 from serve_app.errors import OverloadedError
 from serve_app.routing import (
@@ -19,14 +19,23 @@ from serve_app.routing import (
     fresh_stats,
     prompt_block_hashes,
 )
+from tests.engine.helpers import HandClock
 
 pytestmark = pytest.mark.timeout(30)
+
+NOW = 1_000_000.0  # the clock of the routing and admission modules here: how long a test takes decides nothing
+
+
+@pytest.fixture(autouse=True)
+def frozen_clock(monkeypatch):
+    for module in (routing, admission):
+        monkeypatch.setattr(module, "time", HandClock(NOW))
 
 
 def stats(running: int = 0, waiting: int = 0, kv_free: int = 100, kv_total: int = 100, max_num_seqs: int = 8,
           age_s: float = 0.0) -> dict:
     return {"num_running": running, "num_waiting": waiting, "kv_blocks_free": kv_free, "kv_blocks_total": kv_total,
-            "max_num_seqs": max_num_seqs, "time": time.time() - age_s}
+            "max_num_seqs": max_num_seqs, "time": NOW - age_s}
 
 
 def load(replica_id: str, in_flight: int = 0, **kw) -> ReplicaLoad:
@@ -82,7 +91,7 @@ def test_stale_stats_are_ignored():
              ReplicaLoad("some-load-now", 0, fresh_stats(stats(running=2)))]
     assert first(RoutingPolicy("least_loaded", seed=0), loads) == "busy-long-ago"
     # ...while a fresh report of the same load does.
-    loads[0] = ReplicaLoad("busy-long-ago", 0, fresh_stats({**old, "time": time.time()}))
+    loads[0] = ReplicaLoad("busy-long-ago", 0, fresh_stats({**old, "time": NOW}))
     assert first(RoutingPolicy("least_loaded", seed=0), loads) == "some-load-now"
 
 
