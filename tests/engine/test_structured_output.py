@@ -151,18 +151,20 @@ def test_a_grammar_compiles_off_the_step_loop_and_an_abort_meanwhile_ends_the_re
 
 def test_a_compile_that_overruns_its_bound_is_a_value_error():
     import asyncio
-    import time
+    import threading
 
     from engine import AsyncLLMEngine
 
     async def main():
         aengine = AsyncLLMEngine(engine=make_engine())
-        aengine._maker.check_structured_output = lambda constraint: time.sleep(0.5)
+        release = threading.Event()  # the compile ends only once the test is done, however long the bound waits
+        aengine._maker.check_structured_output = lambda constraint: release.wait(30.0)
         try:
             with pytest.raises(ValueError, match="took longer than"):
                 await aengine.check_structured_output(constrained("json_object"), timeout_s=0.05)
             await aengine.check_structured_output(SamplingParams(max_tokens=4), timeout_s=0.05)  # nothing to do
         finally:
+            release.set()
             await aengine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 30))
