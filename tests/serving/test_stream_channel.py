@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
 
 import httpx
 import pytest
@@ -31,6 +32,33 @@ async def _started_inbox() -> StreamInbox:
     inbox = StreamInbox("127.0.0.1")
     await inbox.start()
     return inbox
+
+
+def _hold_steps_after(engine, steps: int) -> threading.Event:
+    """Let ``engine`` (an ``LLMEngine``, stepped on its own thread) take ``steps`` more steps; the next one waits
+    until the event returned is set."""
+    real_step, release, left = engine.core_step, threading.Event(), [steps]
+
+    def step(*args, **kwargs):
+        if left[0]:
+            left[0] -= 1
+        else:
+            release.wait(60.0)
+        return real_step(*args, **kwargs)
+
+    engine.core_step = step
+    return release
+
+
+async def _wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    """Whether ``predicate()`` came true within ``timeout_s`` (checked between turns of the loop): a bound for a busy
+    machine, not a measure of speed."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 def test_chunks_reach_their_streams_in_order_and_one_turn_makes_one_frame(monkeypatch):
@@ -205,13 +233,17 @@ def test_the_server_streams_through_the_channel_and_a_stranger_cannot_speak_on_i
     assert channel is not None and channel["port"]
     # A stranger connects to the router's channel port and forges chunks for the first keys.
     stranger = socket.create_connection((channel["host"], channel["port"]), timeout=5)
-    stranger.sendall(pack_frame({"secret": "guess", "replica_id": "x"}) + pack_frame([[key, _chunk("forged")] for key in range(1, 10_000)]))
+    hung_up = False
+    try:
+        stranger.sendall(pack_frame({"secret": "guess", "replica_id": "x"}) + pack_frame([[key, _chunk("forged")] for key in range(1, 10_000)]))
+    except (ConnectionResetError, BrokenPipeError):  # the router hung up before the kernel had taken it all
+        hung_up = True
     with httpx.Client(timeout=60) as client:
         response, stream = post_stream(client, "/v1/completions", completion_body(max_tokens=24, ignore_eos=True))
     assert response.status_code == 200
     assert stream.done and stream.text() and "forged" not in stream.raw
     try:  # the router hung up on it (a reset: it left the forged frames unread)
-        hung_up = stranger.recv(1) == b""
+        hung_up = hung_up or stranger.recv(1) == b""
     except ConnectionResetError:
         hung_up = True
     assert hung_up
@@ -257,10 +289,8 @@ async def _linked(inbox: StreamInbox, replica: _FakeReplica):
     """The replica connected to the inbox (as ``LLMReplica.connect`` does when the router introduces itself)."""
     connection = replica.outbox.connection(inbox.address)
     await connection.drain()
-    for _ in range(100):
-        if replica.outbox.replica_id in inbox.links:
-            return inbox.links[replica.outbox.replica_id], connection
-        await asyncio.sleep(0.01)
+    if await _wait_until(lambda: replica.outbox.replica_id in inbox.links):
+        return inbox.links[replica.outbox.replica_id], connection
     raise AssertionError("the replica never showed up among the router's links")
 
 
@@ -279,10 +309,7 @@ def test_a_request_sent_down_a_link_streams_back_and_an_abort_stops_it_there():
         got = [(await asyncio.wait_for(stream.__anext__(), 5))["choices"][0]["text"] for _ in range(3)]
         in_flight = len(link.keys)
         stream.cancel()
-        for _ in range(100):
-            if replica.aborted:
-                break
-            await asyncio.sleep(0.01)
+        await _wait_until(lambda: replica.aborted)
         await inbox.stop()
         return got, in_flight, replica.aborted, stream.route["key"], len(link.keys)
 
@@ -319,10 +346,7 @@ def test_a_reader_cancelled_while_it_waits_for_the_next_message_still_aborts_the
         with pytest.raises(asyncio.CancelledError):
             await reader
         stream.cancel()  # what the router's ``_chunks`` does on its way out
-        for _ in range(100):
-            if replica.aborted:
-                break
-            await asyncio.sleep(0.01)
+        await _wait_until(lambda: replica.aborted)
         aborted = list(replica.aborted)  # before the inbox stops: closing the connection would cancel it anyway
         await inbox.stop()
         return aborted, stream.route["key"], len(link.keys)
@@ -427,37 +451,38 @@ def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drai
     async def main():
         replica = LLMReplica("demo-tiny", {"max_model_len": 256, "num_threads": 1})
         inbox = await _started_inbox()
+        release = None
         try:
             assert await replica.connect(inbox.address) == replica.replica_id
-            for _ in range(100):
-                if inbox.routable_links():
-                    break
-                await asyncio.sleep(0.01)
+            assert await _wait_until(inbox.routable_links), "the replica never connected"
             link = inbox.links[replica.replica_id]
             whole = await read_all(_LinkStream(link, inbox, request("whole", 12)))
 
             aborted = _LinkStream(link, inbox, request("aborted", 200))
             await asyncio.wait_for(aborted.__anext__(), 10)
             aborted.cancel()
-            for _ in range(200):
-                if replica.engine.stats()["num_running"] == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await _wait_until(lambda: replica.engine.stats()["num_running"] == 0)
             running_after_abort = replica.engine.stats()["num_running"]
 
+            # Two steps for "running" (its first token and one more), then the engine waits for ``release``: the
+            # request is still running when the stop is checked, however fast or slow the machine.
+            release = _hold_steps_after(replica.engine.engine, 2)
             running_stream = _LinkStream(link, inbox, request("running", 200))
             first = await asyncio.wait_for(running_stream.__anext__(), 10)  # it runs: now Serve stops the replica
             running = asyncio.ensure_future(read_all(running_stream))
             stopping = asyncio.ensure_future(replica.__del__())
-            await asyncio.sleep(0.05)
+            await _wait_until(lambda: not inbox.routable_links())  # the router hears of the drain
             routable_while_draining = inbox.routable_links()
             with pytest.raises(ReplicaDraining):
                 await asyncio.wait_for(_LinkStream(link, inbox, request("late", 4)).__anext__(), 10)
             stopped_before_it_finished = stopping.done()
+            release.set()
             finished = [first] + await asyncio.wait_for(running, 60)
             await asyncio.wait_for(stopping, 10)
             return whole, running_after_abort, routable_while_draining, stopped_before_it_finished, finished
         finally:
+            if release is not None:
+                release.set()
             await inbox.stop()
             await replica.engine.shutdown()
 
