@@ -16,7 +16,6 @@ as Serve builds them; a running replica is represented by the two attributes the
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -30,9 +29,18 @@ from ray.serve._private.common import (
 from ray.serve._private.request_router.common import PendingRequest
 
 from engine.block_hash import block_hashes
+from serve_app import request_router
 from serve_app.request_router import LLMRequestRouter
+from tests.engine.helpers import HandClock
 
 pytestmark = pytest.mark.timeout(30)
+
+NOW = 1_000_000.0  # the router's clock here: a report is as fresh when it is read as when it was made
+
+
+@pytest.fixture(autouse=True)
+def frozen_clock(monkeypatch):
+    monkeypatch.setattr(request_router, "time", HandClock(NOW))
 
 DEPLOYMENT = DeploymentID(name="LLMReplica", app_name="test")
 
@@ -43,7 +51,7 @@ def replica_id(name: str) -> ReplicaID:
 
 def running_replica(name: str, running: int = 0, max_num_seqs: int = 8):
     stats = {"num_running": running, "num_waiting": 0, "kv_blocks_free": 100, "kv_blocks_total": 100,
-             "max_num_seqs": max_num_seqs, "block_size": 4, "time": time.time()}
+             "max_num_seqs": max_num_seqs, "block_size": 4, "time": NOW}
     return SimpleNamespace(replica_id=replica_id(name), routing_stats=stats)
 
 
@@ -108,7 +116,7 @@ def test_broadcast_calls_do_not_erase_in_flight_counts():
 
     async def scenario():
         router = make_router()
-        stale = {"time": time.time() - 60}  # no fresh report: only the in-flight counts decide
+        stale = {"time": NOW - 60}  # no fresh report: only the in-flight counts decide
         a = SimpleNamespace(replica_id=replica_id("a"), routing_stats=stale)
         b = SimpleNamespace(replica_id=replica_id("b"), routing_stats=stale)
         for i, name in enumerate(["a", "a", "a", "b", "b"]):
@@ -129,7 +137,7 @@ def test_rejected_then_rerouted_request_is_counted_once():
 
     async def scenario():
         router = make_router()
-        stale = {"time": time.time() - 60}
+        stale = {"time": NOW - 60}
         a = SimpleNamespace(replica_id=replica_id("a"), routing_stats=stale)
         b = SimpleNamespace(replica_id=replica_id("b"), routing_stats=stale)
         send_and_route(router, pending(0), "b")
