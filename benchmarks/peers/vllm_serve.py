@@ -1,4 +1,8 @@
-"""Start vLLM's OpenAI-compatible server (its CPU build) on the benchmark checkpoint, with the KV budget ours gets.
+"""Start vLLM's OpenAI-compatible server (its CPU build) on a checkpoint, with the KV budget ours gets.
+
+``--model`` is a Hugging Face checkpoint directory: by default the random benchmark checkpoint (``bench-random``);
+``benchmarks.serve_vs_vllm`` passes its ``--model``'s (a GGUF file's export, ``benchmarks.models``) and the served
+name ours has.
 
 This file is executed by the Python of the separate virtualenv that holds vLLM (``make peer-venv``), never
 imported by ours: the standard library at module level, vLLM only inside ``main``. It serves what
