@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
 from typing import Awaitable, Callable
 
@@ -115,8 +116,10 @@ async def http_run(streams: list[list[list[int]]], max_tokens: int, base_url: st
             return await stream_completion(session, base_url, model_name, prompt, max_tokens, ignore_eos=True,
                                            temperature=0)
         results, wall = await closed_loop(one, streams)
-    errors = sum(not r.ok for r in results)
-    return [r.ttft_s for r in results if r.ok], sum(r.num_tokens for r in results) / wall, errors
+    failed = [r for r in results if not r.ok]
+    for r in failed[:1]:  # what went wrong, once per run: a count alone says nothing
+        print(f"HTTP error: status {r.status}: {r.error}", file=sys.stderr, flush=True)
+    return [r.ttft_s for r in results if r.ok], sum(r.num_tokens for r in results) / wall, len(failed)
 
 
 def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, engine_cpus: str | None = None,
