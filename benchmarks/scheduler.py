@@ -84,11 +84,15 @@ class StandInEvent:
 
 
 class StandInModel:
-    """The model's stand-in: no compute; every row's logits pick ``token_id``."""
+    """The model's stand-in: no compute; every row's logits pick ``token_id``. They are only as wide as that takes
+    (``token_id`` + 1 entries, not the vocabulary): a GPU samples on the device, and a greedy argmax over a real
+    model's 49,152 logits on this CPU took 1.5 ms a step at 32 rows, 95% of what was measured as host time."""
 
     def __init__(self, hidden_size: int, vocab_size: int, token_id: int = STAND_IN_TOKEN_ID) -> None:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"stand-in token {token_id} is not in the vocabulary of {vocab_size}")
         self.hidden_size = hidden_size
-        self.row = torch.zeros(vocab_size)
+        self.row = torch.zeros(token_id + 1)
         self.row[token_id] = 1.0
 
     def __call__(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:

@@ -71,3 +71,13 @@ def test_opcode_counts_repeat_exactly_and_grow_with_the_batch():
     assert counts["off", 4][0] == counts["off", 4][1] > 0
     assert counts["off", 16][0] > 2 * counts["off", 4][0]
     assert counts["on", 16][0] < counts["off", 16][0] / 2
+
+
+def test_the_stand_in_picks_its_token_without_an_argmax_over_the_whole_vocabulary():
+    import torch
+
+    model = scheduler.StandInModel(8, 49152, 81)  # SmolLM2's vocabulary, its "a"
+    logits = model.compute_logits(model(torch.zeros(3, dtype=torch.long), None, None, None))
+    assert logits.shape == (3, 82) and logits.argmax(-1).tolist() == [81, 81, 81]
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        scheduler.StandInModel(8, 50, 60)
