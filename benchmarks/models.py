@@ -33,8 +33,6 @@ import argparse
 import functools
 import hashlib
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,20 +172,9 @@ def export_dir(gguf_file: Path, cache_dir: str | Path) -> Path:
 
 def export_hf_checkpoint(gguf_file: Path, cache_dir: str | Path) -> Path:
     """The Hugging Face directory of ``gguf_file`` in ``cache_dir``, written first if it is not there yet."""
-    path = export_dir(gguf_file, cache_dir)
-    if (path / ".complete").exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        _write_export(gguf_file, tmp)
-        (tmp / ".complete").write_text("ok\n")
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)  # atomic: a half-written export is never picked up
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    from benchmarks.workloads import write_once
+
+    return write_once(export_dir(gguf_file, cache_dir), lambda tmp: _write_export(gguf_file, tmp))
 
 
 def hf_files(description: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
@@ -61,16 +61,22 @@ def default_cache_dir() -> Path:
 def build_checkpoint(cache_dir: str | Path | None = None, seed: int = 0) -> Path:
     """Return the benchmark checkpoint directory, writing it first if it is not there yet."""
     path = Path(cache_dir or default_cache_dir()) / f"{MODEL_NAME}-seed{seed}"
+    return write_once(path, lambda tmp: _write_checkpoint(tmp, seed))
+
+
+def write_once(path: Path, write: Callable[[Path], None]) -> Path:
+    """``path``, a directory that ``write`` fills, written first if it is not there whole yet: into a temporary
+    directory beside it, then renamed, so a half-written one is never picked up."""
     if (path / ".complete").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        _write_checkpoint(tmp, seed)
+        write(tmp)
         (tmp / ".complete").write_text("ok\n")
         if path.exists():
             shutil.rmtree(path)
-        tmp.rename(path)  # atomic: a half-written checkpoint is never picked up
+        tmp.rename(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
