@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PASSAGES = Path(__file__).resolve().parent / "texts" / "passages.json"
 SOURCES = ("README.md", "docs/architecture.md", "docs/security.md", "docs/benchmarks-history.md")
 MIN_CHARS = 200  # shorter paragraphs are mostly captions and list items
-MAX_PER_FILE = 40  # the first paragraphs of each file (docs/benchmarks.md alone has ~200, most of them figures)
+MAX_PER_FILE = 40  # the first paragraphs of each file (docs/benchmarks-history.md alone has ~200, most of them figures)
 
 # What the user asks about a passage; "{passage}" is replaced by it.
 QUESTIONS = (

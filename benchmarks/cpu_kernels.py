@@ -10,7 +10,7 @@ build ``load()`` picks for this machine).
 ``--matmuls`` prints a second table for the native build: each linear of the benchmark model at decode row counts
 (``--rows``) through oneDNN's packed matmul (what ``engine.models.cpu_packing`` uses above ``kernel_rows()``), MKL's
 ``F.linear`` on the plain weight, and our ``cpu_kernels.linear``. Caches are hot here: in the engine a step reads
-more weight than this VM's share of the L3 holds, which favours the layouts read in order (docs/benchmarks.md).
+more weight than this VM's share of the L3 holds, which favours the layouts read in order (docs/benchmarks-history.md).
 
     python -m benchmarks.cpu_kernels --lanes native,8,16
     python -m benchmarks.cpu_kernels --matmuls --rows 1,4,16

@@ -3,7 +3,7 @@
 Works against any OpenAI-compatible endpoint (ours, vLLM, ...). Uses aiohttp, as vLLM's own benchmark client does:
 its HTTP parser is C, so on a small machine that also runs the server the load generator takes little of the CPU
 the server needs. (httpx's pure-Python stack cost ~2.8 ms of CPU per streamed request at 64 streams on the 2-core
-demo, aiohttp's ~0.7 ms: docs/benchmarks.md.)
+demo, aiohttp's ~0.7 ms: docs/benchmarks-history.md.)
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ after the step launched before it, as on a CUDA stream, and the host waits for a
 waits for all the host work of every step; async scheduling, where the host schedules step N+1 and processes
 step N's outputs while the device computes, and the device thread launches N+1 before it collects N; and
 ``async-collect-first``, async scheduling with the device thread's order before 2026-12-04 (N collected before
-N+1 is launched), which an H200 showed hid little (docs/benchmarks.md). For each: wall time per step, and
+N+1 is launched), which an H200 showed hid little (docs/benchmarks-history.md). For each: wall time per step, and
 ``overhead_us_per_step`` = wall minus the device's busy time (a sleep's overshoot, where nothing was queued behind
 it, counts as device time). ``us_per_step`` is the synchronous loop's overhead: its host time per step.
 

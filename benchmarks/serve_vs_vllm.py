@@ -15,8 +15,8 @@ config's :8100), the hop a cluster's entry point adds. ``ours-all-cpus`` and ``v
 thread per CPU instead (ours: ``num_threads`` as many, no ``engine_cpus``, so Ray shares every CPU with it; vLLM:
 ``VLLM_CPU_OMP_THREADS_BIND`` lists them all): under 64 concurrent requests the serving processes use a fraction of
 the second core, which a second compute thread can take (on the 2-core benchmark machine 12-15% more output
-tokens/s for ours, -2% to +20% for vLLM, in the same runs: docs/benchmarks.md). The client always runs on the CPUs
-other than 0. One server at a time, alternating, each started afresh for its turn; per turn, with ``vllm bench
+tokens/s for ours, -2% to +20% for vLLM, in the same runs, on the toy model: docs/benchmarks-history.md). The
+client always runs on the CPUs other than 0. One server at a time, alternating, each started afresh for its turn; per turn, with ``vllm bench
 serve`` (random dataset, prompts of 50-800 tokens, outputs of 20-200 with ``ignore_eos``, greedy):
 
   * a warm-up of 8 requests (other prompts than the measured ones), not counted;

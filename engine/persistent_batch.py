@@ -49,7 +49,7 @@ class PersistentBatch:
     static padding, and each having sampled in the latest step: ``Scheduler._schedule_persistent`` keeps one only
     then. Per step it runs a handful of numpy calls and C loops, whatever the number of rows: on the benchmark VM,
     after the 8 ms stand-in device step of ``benchmarks.scheduler``, little of the host's data is still in the
-    caches, and each numpy call or pass over the rows pays for that again (docs/benchmarks.md).
+    caches, and each numpy call or pass over the rows pays for that again (docs/benchmarks-history.md).
     """
 
     def __init__(self, rows: list[Request], kv: KVCacheManager) -> None:

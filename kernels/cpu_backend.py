@@ -3,8 +3,8 @@
 A prefill chunk after cached context keeps ``TorchPagedAttention``'s path: its context is gathered once and
 shared by all its query tokens, so the copy is cheap next to the matmuls that follow. A chunk with nothing cached
 before it (a fresh prompt) attends to itself through ``cpu_kernels.causal_attention``, 2.3-9.8x faster than
-torch's fused SDPA at 50-800 tokens on the Sapphire Rapids VM (docs/benchmarks.md); heads that are not a multiple
-of 32 keep torch's path. A decode row has a single query token, and there the gather is the whole cost:
+torch's fused SDPA at 50-800 tokens on the Sapphire Rapids VM (docs/benchmarks-history.md); heads that are not a
+multiple of 32 keep torch's path. A decode row has a single query token, and there the gather is the whole cost:
 ``kernels.cpu_kernels.paged_decode_attention`` reads each row's K and V in place instead (same cache layout; heads
 in multiples of 16, torch's path otherwise). Storing K/V and the model's norms, RoPE and SiLU-and-mul also run as
 single-pass kernels (``elementwise_ops``).

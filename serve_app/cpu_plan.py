@@ -9,7 +9,7 @@ uses) starts it on the CPUs left:
     python -m serve_app.cpu_plan CONFIG   # prints the CPU list for `taskset -c`, or nothing
 
 On the 2-core demo machine, engine on CPU 0 and everything else on CPU 1 took the seed workload through
-``vllm bench serve`` from ~390 to ~500 output tok/s (docs/benchmarks.md). Nothing is printed when no app
+``vllm bench serve`` from ~390 to ~500 output tok/s (docs/benchmarks-history.md). Nothing is printed when no app
 reserves CPUs, or when nothing would be left (then everything shares every CPU, as without the setting).
 """
 

@@ -4,13 +4,13 @@
 deployments over gRPC, each replica's user code and request routing on its main event loop rather than
 threads of their own, the GC frozen after start-up. On the 2-core demo it took HTTP throughput at
 64 streams from ~39% to ~53% of the engine's offline rate (``benchmarks.serving_overhead``, side by side
-in docs/benchmarks.md): a replica's step thread then contends with one event-loop thread for the GIL,
+in docs/benchmarks-history.md): a replica's step thread then contends with one event-loop thread for the GIL,
 not several.
 
 ``RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` (the bundle's default, kept): each ingress replica, our ``Router``, also
 serves HTTP itself, on a port of its own, beside Serve's proxy. A request that comes to the router's port skips
 the proxy's process and its hop: on the 2-core demo 36-53% more output tokens/s at 64 streams and a first token
-~9 ms sooner (docs/benchmarks.md). Without that port a request costs the proxy's process its HTTP
+~9 ms sooner (docs/benchmarks-history.md). Without that port a request costs the proxy's process its HTTP
 parsing and a Ray call, and the router a call back to the proxy for the request's body and disconnect.
 
 ``LOCAL_SERVE_ENV`` adds what one machine's ``make run`` wants on top: the router's port is the API port,

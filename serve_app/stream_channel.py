@@ -3,7 +3,7 @@
 Why: a Ray Serve call costs a request about 3.7 ms of hops and ~2 ms of CPU in the router and the replica
 (Serve's router, gRPC, the replica's request wrapper), and every item of a streaming call is a Ray message of its
 own; on a small machine that is the cores the engine needs (the gap between serving and offline throughput was
-mostly this, `docs/benchmarks.md`, issue 13). So once a replica is connected, the router sends it requests
+mostly this, `docs/benchmarks-history.md`, issue 13). So once a replica is connected, the router sends it requests
 (and aborts) down the connection and the replica sends the chunks back up it, in msgpack frames: whatever one
 side has ready in one turn of its event loop goes in one write.
 
