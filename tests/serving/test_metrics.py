@@ -58,7 +58,10 @@ def _make_traffic(base: str) -> dict[str, int]:
             # deadline passes while it generates: a 504.
             timeout = asyncio.ensure_future(client.post("/v1/completions", json=completion_body(
                 max_tokens=1900, ignore_eos=True, timeout=1.0)))
-            await asyncio.sleep(0.3)
+            # Until the engine has taken it, however long it took to get there (a fixed wait can be too short on a
+            # busy machine: the squeeze would be queued ahead of it, and admission would refuse it with a 429).
+            while not timeout.done() and not (await client.get("/stats")).json()["replicas"][0]["num_running"]:
+                await asyncio.sleep(0.02)
             # Three requests that each grow to ~1500 tokens: 3 x 94 blocks > the 256-block pool -> preemption.
             # Their prompts differ from the first character, so prefix caching cannot share their blocks. Greedy:
             # demo-tiny's greedy output repeats itself, so n-gram speculation has proposals accepted.
