@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,9 +164,9 @@ def ordinary_token_range(source) -> tuple[int, int]:
 
 # -- the GGUF export ----------------------------------------------------------------------------------------
 def export_dir(gguf_file: Path, cache_dir: str | Path) -> Path:
-    stat = gguf_file.stat()
-    key = hashlib.sha256(f"{EXPORT_VERSION}:{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return Path(cache_dir) / f"{gguf_file.stem}-hf-{key.hexdigest()[:12]}"
+    from engine.models.gguf_checkpoint import file_key
+
+    return Path(cache_dir) / f"{gguf_file.stem}-hf-{file_key(gguf_file, EXPORT_VERSION)[:12]}"
 
 
 def export_hf_checkpoint(gguf_file: Path, cache_dir: str | Path) -> Path:

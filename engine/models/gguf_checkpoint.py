@@ -219,16 +219,18 @@ def _cache_root() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "inflight") / "gguf"
 
 
-def _cache_key(path: Path) -> str:
+def file_key(path: Path, version: int = CACHE_VERSION) -> str:
+    """What names a file's converted copy in a cache: its path, size and modification time (a changed file gets
+    a new key), and the version of what the copy holds."""
     stat = path.stat()
-    key = f"{CACHE_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = f"{version}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def cached_description(path: Path) -> dict[str, Any]:
     """``describe(path)``, converted once and kept in the cache (written atomically: concurrent starts of
     several processes never read a half-written entry)."""
-    entry = _cache_root() / f"{_cache_key(path)}.json"
+    entry = _cache_root() / f"{file_key(path)}.json"
     if entry.exists():
         try:
             cached = json.loads(entry.read_text())
