@@ -65,8 +65,9 @@ class ReplicaMetrics:
         self._last_spec = (0, 0)
 
     def observe_step(self, seconds: float, batch_size: int) -> None:
+        # The batch-size gauge is set in observe_stats with the others: Ray 2.60 drops a gauge from its export once
+        # it goes unset for two export intervals, so one set only by steps vanished while the replica sat idle.
         self.step_time.observe(seconds)
-        self.batch_size.set(batch_size)
 
     def observe_stats(self, stats: dict[str, Any]) -> None:
         self.kv_usage.set(stats["kv_block_usage"])
@@ -77,6 +78,7 @@ class ReplicaMetrics:
         if stats["prefix_cache_query_tokens"]:
             self.prefix_hit_rate.set(stats["prefix_cache_hit_tokens"] / stats["prefix_cache_query_tokens"])
         self.kv_underused.set(1.0 if stats.get("kv_diagnosis") else 0.0)
+        self.batch_size.set(stats["batch_size"])
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         new_preemptions = stats["num_preemptions"] - self._last_preemptions
