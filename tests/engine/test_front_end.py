@@ -15,6 +15,8 @@ from tests.engine.helpers import ENGINE_DEFAULTS, greedy, make_engine, random_pr
 
 PROMPTS = random_prompts(4, 6, 20, seed=21)
 LONG = 120  # tokens a request would run to without its stop string
+UNSTOPPED = 1500  # the same, where the stop string is found in another process than the engine's
+ROOMY_KV_BLOCKS = 2048  # of 4 tokens: every request can run to UNSTOPPED without preempting another
 
 
 def stop_strings() -> list[str]:
@@ -58,18 +60,22 @@ def test_a_stop_string_ends_the_request_in_the_core_within_the_step():
 
 def test_a_stop_string_found_in_the_servers_process_stops_the_engines_process():
     """With the engine in a process of its own, the front end (here) finds the stop string and tells the engine,
-    which ends the request a step or two later: the client sees exactly what the engine in this process gives,
-    the engine computes only a few tokens past the stop, and its blocks go back."""
+    which ends the request: the client sees exactly what the engine in this process gives, the engine stops long
+    before the request's token limit, and its blocks go back.
+
+    How many tokens past the stop the engine computes depends on how soon this process's event loop gets a core
+    (a step or two on an idle machine; 52 tokens once on a busy one): so the limit is far away (UNSTOPPED tokens,
+    seconds of steps), and only running into it fails."""
     stops = stop_strings()
-    engine = make_engine()
+    engine = make_engine(num_kv_blocks=ROOMY_KV_BLOCKS)
     for i, (prompt, stop) in enumerate(zip(PROMPTS, stops)):
-        engine.add_request(str(i), prompt, greedy(LONG, stop=[stop]))
+        engine.add_request(str(i), prompt, greedy(UNSTOPPED, stop=[stop]))
     want = run_engine(engine)
 
     async def body(aengine):
         async def one(i):
             last = None
-            async for last in aengine.generate(PROMPTS[i], greedy(LONG, stop=[stops[i]])):
+            async for last in aengine.generate(PROMPTS[i], greedy(UNSTOPPED, stop=[stops[i]])):
                 pass
             return last
 
@@ -83,7 +89,7 @@ def test_a_stop_string_found_in_the_servers_process_stops_the_engines_process():
         return outputs, aengine.stats()
 
     async def main():
-        aengine = AsyncLLMEngine("demo-tiny", engine_process=True, **ENGINE_DEFAULTS)
+        aengine = AsyncLLMEngine("demo-tiny", engine_process=True, **{**ENGINE_DEFAULTS, "num_kv_blocks": ROOMY_KV_BLOCKS})
         try:
             return await asyncio.wait_for(body(aengine), 60)
         finally:
@@ -96,8 +102,8 @@ def test_a_stop_string_found_in_the_servers_process_stops_the_engines_process():
             (expected.token_ids, expected.text, "stop", stops[i])
     assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0
     shown = sum(len(o.outputs[0].token_ids) for o in outputs)
-    # each request ran at most a few steps past its stop (8 rows fit a step: all four decode together)
-    assert shown <= stats["num_generated_tokens"] <= shown + 4 * 4, stats["num_generated_tokens"]
+    # every request ended by its stop string, well before its limit
+    assert shown <= stats["num_generated_tokens"] < len(PROMPTS) * (UNSTOPPED - 100), stats["num_generated_tokens"]
 
 
 def test_the_core_reports_a_final_only_request_once_unless_a_stop_string_may_end_it():
