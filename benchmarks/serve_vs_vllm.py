@@ -49,6 +49,7 @@ import httpx
 import yaml
 
 from benchmarks.models import BenchModel, add_model_arg, model_from_args
+from benchmarks.peers.preload import with_peer_preload
 from benchmarks.vllm_baseline import resolve_peer_python
 from benchmarks.workloads import MODEL_NAME, add_sampling_args, check_sampling_args
 from engine.cpu_list import format_cpu_list
@@ -114,7 +115,7 @@ def start_vllm(peer_python: str, threads_bind: str, isolated: bool, log, model: 
     ``threads_bind``; ``isolated``: as ours runs, its compute thread on the engine's CPU and everything else (its
     API server, its engine process's other threads) on the other CPUs."""
     return subprocess.Popen(vllm_server_argv(peer_python, threads_bind, isolated, model), cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, env=with_peer_preload(peer_python))
 
 
 def vllm_server_argv(peer_python: str, threads_bind: str, isolated: bool, model: BenchModel) -> list[str]:

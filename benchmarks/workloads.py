@@ -297,9 +297,9 @@ def describe_workload(requests: Sequence[BenchRequest]) -> dict[str, Any]:
 # -- our engine -----------------------------------------------------------------------------------
 def engine_args(batching: str, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                 threads: int | None = None, num_kv_blocks: int = NUM_KV_BLOCKS,
-                prefill_lane: bool = True) -> dict[str, Any]:
-    """Engine arguments for the benchmark: CPU, fp32, by default the 8,000-token KV budget."""
-    return dict(device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
+                prefill_lane: bool = True, dtype: str = "float32") -> dict[str, Any]:
+    """Engine arguments for the benchmark: CPU, ``dtype``, by default the 8,000-token KV budget."""
+    return dict(device="cpu", dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, batching=batching,
                 num_threads=threads, prefill_lane=prefill_lane)
 
@@ -316,7 +316,8 @@ def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None =
         max_num_seqs = args.static_batch_size if batching == "static" else args.max_num_seqs
     budget = max(args.max_num_batched_tokens, max_num_seqs)  # the engine needs a token per slot at least
     engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, budget, args.threads, kv_blocks(args),
-                                                 prefill_lane), speculative_config=speculative_config)
+                                                 prefill_lane, getattr(args, "dtype", "float32")),
+                       speculative_config=speculative_config)
     warm_up_engine(engine, _token_range_of(model_path))
     return engine
 
@@ -414,6 +415,10 @@ def check_sampling_args(parser: argparse.ArgumentParser, args) -> bool:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Our engine's size, the same for every system compared."""
     parser.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the dtype every system runs in; auto: what our engine picks for the model on this CPU "
+                             "(bfloat16 for a half-precision checkpoint where the CPU has bfloat16 instructions, "
+                             "else float32), resolved once and given to the peers too")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64,
                         help="batch slots of continuous batching (ours; hf-cb's max_requests_per_batch)")
     parser.add_argument("--static-batch-size", type=positive_int, default=8,

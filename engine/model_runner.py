@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from engine.structured_output import GrammarCompiler
 from engine.scheduler_output import PrefillBatch, PromptRow, SchedulerOutput
 from kernels import BatchLayout, get_attention_backend
 from kernels.dense_prefill import DensePrefillMetadata
+
+logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 # Prompt logprobs need logits for every prompt position: they are computed this many bytes of
@@ -100,12 +103,27 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # On the CPU float32 is both the fastest and the most exact; on a GPU, the checkpoint's dtype.
-        if device.type == "cpu":
-            return torch.float32
-        name = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
-    return getattr(torch, name)
+    return _resolve_dtype(name, checkpoint_dtype, device)[0]
+
+
+def _resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype to run in, and why (logged at start)."""
+    if name != "auto":
+        return getattr(torch, name), "asked for"
+    if device.type != "cpu":  # on a GPU, the checkpoint's half precision
+        half = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
+        return getattr(torch, half), f"auto: the checkpoint's {checkpoint_dtype or 'unstated'} dtype on a GPU"
+    # On a CPU, bfloat16 where it runs on the CPU's own bfloat16 units (AVX-512 BF16, AMX): half the bytes a
+    # memory-bound step reads, and matmuls on those units; and only for a checkpoint published in half precision
+    # (a float32 checkpoint keeps its precision). Elsewhere bfloat16 is emulated in float32: slower than float32.
+    from kernels.cpu_kernels import bf16_hardware
+
+    hardware = bf16_hardware()
+    if checkpoint_dtype in ("bfloat16", "float16") and hardware is not None:
+        return torch.bfloat16, f"auto: a {checkpoint_dtype} checkpoint, and this CPU has {hardware}"
+    if hardware is None:
+        return torch.float32, "auto: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16)"
+    return torch.float32, f"auto: the checkpoint is {checkpoint_dtype or 'of unstated dtype'}, kept as it is"
 
 
 @dataclass(frozen=True)
@@ -123,7 +141,8 @@ class ModelRunner:
         self.config = config
         self.shared = shared
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, source.config.torch_dtype, self.device)
+        self.dtype, why = _resolve_dtype(config.dtype, source.config.torch_dtype, self.device)
+        logger.info("running in %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self._threads = None  # (thread, count) the last step ran on, where steps may change the count
         if self.device.type == "cpu":
             if config.num_threads is not None:
@@ -139,7 +158,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device,
                                            config.load_format)
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if self.device.type == "cpu":
             pack_linear_weights(self.model)  # faster decode-sized matmuls (see cpu_packing.py)
         self.model_config = source.config
         self.num_kv_blocks = self._count_kv_blocks(max_model_len)

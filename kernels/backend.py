@@ -80,8 +80,8 @@ BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """``auto``: flash-attn when it is importable on CUDA, then Triton on CUDA; on a CPU in float32 the
-    compiled CPU kernels when they build here; else the torch reference."""
+    """``auto``: flash-attn when it is importable on CUDA, then Triton on CUDA; on a CPU in float32 or bfloat16
+    the compiled CPU kernels when they build here; else the torch reference."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name != "auto":
@@ -89,7 +89,7 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
     if device.type != "cuda":
         from kernels import cpu_kernels
 
-        usable = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load() is not None
+        usable = device.type == "cpu" and dtype in cpu_kernels.DTYPES and cpu_kernels.load() is not None
         return "cpu" if usable else "torch"
     from kernels.flash_attn_backend import flash_attn_available
 
@@ -122,9 +122,9 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = 
     if name == "cpu":
         from kernels import cpu_kernels
 
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError(f"attention_backend 'cpu' runs float32 on a CPU, not {dtype} on {device.type}; "
-                             f"use 'torch' (or 'auto')")
+        if device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
+            raise ValueError(f"attention_backend 'cpu' runs float32 or bfloat16 on a CPU, not {dtype} on "
+                             f"{device.type}; use 'torch' (or 'auto')")
         if cpu_kernels.load() is None:
             raise ValueError("attention_backend 'cpu' needs a C++ compiler to build its kernels (see the log for "
                              "why the build failed); use 'torch' (or 'auto')")

@@ -1,4 +1,4 @@
-"""The CPU attention backend (float32): the PyTorch backend with its per-token work in compiled kernels.
+"""The CPU attention backend (float32 or bfloat16): the PyTorch backend with its per-token work in compiled kernels.
 
 A prefill chunk after cached context keeps ``TorchPagedAttention``'s path: its context is gathered once and
 shared by all its query tokens, so the copy is cheap next to the matmuls that follow. A chunk with nothing cached

@@ -1,10 +1,14 @@
-"""C++ kernels for the CPU (float32), built on first use with the system's C++ compiler, called through ctypes.
+"""C++ kernels for the CPU (float32 and bfloat16), built on first use with the system's C++ compiler, called through ctypes.
 
 * ``paged_decode_attention``: decode rows against the paged KV cache, read in place (no gathered copy);
 * ``store_kv``: the step's new K/V into the cache;
 * ``linear``: a decode step's few rows times a weight packed once (``pack_linear``), with oneDNN's sums;
 * ``rms_norm`` (with the residual add), ``silu_and_mul``, ``apply_rope``: the per-token work between the
   matmuls in one pass each, with ``kernels.triton_fused``'s signatures (the model takes either module).
+
+Each takes float32 or bfloat16 tensors (all of one dtype; RoPE's cos/sin tables are float32 either way) and
+computes in float32: a bfloat16 value widens exactly on load and the result is rounded once on store, so bfloat16
+halves the bytes a memory-bound decode step reads without summing in bfloat16.
 
 No new dependency and no torch headers: each kernel is a plain ``extern "C"`` function over raw
 pointers (``kernels/csrc/*.cpp``), compiled with ``-O3 -march=native -fopenmp`` into a shared library
@@ -98,19 +102,24 @@ def load() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
-        "causal_attention_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, i32],
-        "paged_decode_attention_f32": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32],
-        "rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32],
-        "silu_and_mul_f32": [ptr, ptr, i64, i64, i64, i32],
-        "rope_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
-        "store_kv_f32": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32],
-        "linear_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32],
+        "causal_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, i32],
+        "paged_decode_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32],
+        "rms_norm": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32],
+        "silu_and_mul": [ptr, ptr, i64, i64, i64, i32],
+        "rope": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
+        "store_kv": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32],
+        "linear": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+        for suffix in SUFFIXES.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
     lib.linear_max_rows.argtypes, lib.linear_max_rows.restype = [], i32
     return lib
+
+
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # each kernel's exported name per storage dtype
+DTYPES = tuple(SUFFIXES)
 
 
 def _lib() -> ctypes.CDLL:
@@ -119,10 +128,30 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _check(*tensors: torch.Tensor) -> None:
+def _kernel(name: str, *tensors: torch.Tensor):
+    """The kernel ``name`` for the tensors' dtype (float32 or bfloat16, one for all of them), checked."""
+    dtype = tensors[0].dtype
     # (is_cpu, not device.type: that builds a torch.device per call, and these run a few dozen times a step)
     for t in tensors:
-        assert t.dtype is torch.float32 and t.is_cpu, "the CPU kernels take float32 CPU tensors"
+        assert t.dtype is dtype and t.is_cpu, "the CPU kernels take CPU tensors of one dtype"
+    suffix = SUFFIXES.get(dtype)
+    assert suffix is not None, f"the CPU kernels take float32 or bfloat16, not {dtype}"
+    return getattr(_lib(), f"{name}_{suffix}")
+
+
+def _check_tables(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        assert t.dtype is torch.float32 and t.is_cpu, "RoPE's cos/sin tables are float32 CPU tensors"
+
+
+def bf16_hardware() -> str | None:
+    """Which bfloat16 instructions this CPU has, as /proc/cpuinfo names them ("amx_bf16", "avx512_bf16"), or None:
+    where bfloat16 runs on the CPU's own matrix or vector units instead of being emulated in float32."""
+    flags = set()
+    for line in _cpu_signature().splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return next((flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags), None)
 
 
 def _check_index(*tensors: torch.Tensor) -> None:
@@ -139,18 +168,17 @@ def causal_attention_supports(head_dim: int) -> bool:
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """A prompt chunk with nothing cached before it attending to itself, causally.
 
-    query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim] float32 (head_dim
-    a multiple of 32 up to 256, see ``causal_attention_supports``; num_heads a multiple of num_kv_heads).
+    query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim] float32 or bfloat16
+    (head_dim a multiple of 32 up to 256, see ``causal_attention_supports``; num_heads a multiple of num_kv_heads).
     Returns like query."""
-    lib = _lib()
-    _check(query, key, value)
+    kernel = _kernel("causal_attention", query, key, value)
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     assert causal_attention_supports(head_dim) and num_heads % num_kv_heads == 0, \
         "head_dim a multiple of 32 up to 256, whole groups of query heads"
     out = torch.empty_like(query)
-    lib.causal_attention_f32(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), num_tokens,
+    kernel(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), num_tokens,
                              num_heads, num_kv_heads, head_dim, scale, torch.get_num_threads())
     return out
 
@@ -164,12 +192,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per row against its paged context, read in place.
 
-    query [num_rows, num_heads, head_dim] float32; caches [num_kv_heads, num_blocks, block_size, head_dim]
-    float32 (head_dim a multiple of 16 up to 256, see ``decode_attention_supports``); block_tables [num_rows,
+    query [num_rows, num_heads, head_dim]; caches [num_kv_heads, num_blocks, block_size, head_dim], all float32 or
+    all bfloat16 (head_dim a multiple of 16 up to 256, see ``decode_attention_supports``); block_tables [num_rows,
     max_blocks] int64; seq_lens [num_rows] int64 (>= 1). Returns like query.
     """
-    lib = _lib()
-    _check(query, k_cache, v_cache)
+    kernel = _kernel("paged_decode_attention", query, k_cache, v_cache)
     _check_index(block_tables, seq_lens)
     query = query.contiguous()
     block_tables = block_tables.contiguous()
@@ -180,7 +207,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert num_heads // num_kv_heads <= 64, "at most 64 query heads per kv head"
     assert decode_attention_supports(head_dim), "head_dim a multiple of 16 up to 256"
     out = torch.empty_like(query)
-    lib.paged_decode_attention_f32(
+    kernel(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
         scale, torch.get_num_threads())
@@ -191,13 +218,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              slots: torch.Tensor) -> None:
     """key/value [num_tokens, num_kv_heads, head_dim] (last dim contiguous) into head-major caches
     [num_kv_heads, num_blocks, block_size, head_dim] at ``slots`` [num_tokens] int64 (block * block_size + offset)."""
-    _check(key, value, k_cache, v_cache)
+    kernel = _kernel("store_kv", key, value, k_cache, v_cache)
     _check_index(slots)
     assert key.stride(2) == 1 and value.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     slots = slots.contiguous()
     num_tokens, num_kv_heads, head_dim = key.shape
     _, num_blocks, block_size, _ = k_cache.shape
-    _lib().store_kv_f32(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+    kernel(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                         num_tokens, num_kv_heads, head_dim, num_blocks, block_size, key.stride(0), key.stride(1),
                         value.stride(0), value.stride(1), torch.get_num_threads())
 
@@ -205,14 +232,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of ``x`` [tokens, hidden]; with ``residual``, of ``x + residual``, which is also written back
     into ``residual`` (it is the next residual stream)."""
-    _check(x, weight)
+    kernel = _kernel("rms_norm", x, weight, *([residual] if residual is not None else []))
     assert x.stride(1) == 1 and weight.is_contiguous()
     if residual is not None:
-        _check(residual)
         assert residual.stride(1) == 1
     num_tokens, hidden = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _lib().rms_norm_f32(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+    kernel(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                         out.data_ptr(), num_tokens, hidden, x.stride(0), residual.stride(0) if residual is not None else 0,
                         out.stride(0), eps, torch.get_num_threads())
     return out
@@ -220,25 +246,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate and up the two halves of each row of ``gate_up`` [tokens, 2 * width]."""
-    _check(gate_up)
+    kernel = _kernel("silu_and_mul", gate_up)
     assert gate_up.stride(1) == 1
     num_tokens, double = gate_up.shape
     out = torch.empty((num_tokens, double // 2), dtype=gate_up.dtype)
-    _lib().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), num_tokens, double // 2, gate_up.stride(0),
+    kernel(gate_up.data_ptr(), out.data_ptr(), num_tokens, double // 2, gate_up.stride(0),
                             torch.get_num_threads())
     return out
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, head_dim] (last dim contiguous); cos/sin float32 [tokens, 1, head_dim / 2]."""
-    _check(x, cos, sin)
+    """x [tokens, heads, head_dim] (last dim contiguous), float32 or bfloat16; cos/sin float32 [tokens, 1,
+    head_dim / 2]."""
+    kernel = _kernel("rope", x)
+    _check_tables(cos, sin)
     assert x.stride(2) == 1
     num_tokens, num_heads, head_dim = x.shape
     assert cos.numel() == sin.numel() == num_tokens * (head_dim // 2), "cos/sin: one row of head_dim / 2 per token"
     if not (cos.is_contiguous() and sin.is_contiguous()):  # (the model's tables are: read as [tokens, head_dim / 2])
         cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
-    _lib().rope_f32(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), num_tokens, num_heads, head_dim,
+    kernel(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), num_tokens, num_heads, head_dim,
                     x.stride(0), x.stride(1), torch.get_num_threads())
     return out
 
@@ -254,8 +282,9 @@ def linear_max_rows() -> int:
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] float32 in ``linear``'s layout: [ceil(out / 64), in, 64], the columns past ``out`` zero."""
-    _check(weight)
+    """``weight`` [out, in] (float32 or bfloat16) in ``linear``'s layout: [ceil(out / 64), in, 64], the columns past
+    ``out`` zero."""
+    _kernel("linear", weight)
     n, k = weight.shape
     blocks = F.pad(weight.detach(), (0, 0, 0, -n % LINEAR_COLS)).reshape(-1, LINEAR_COLS, k)  # [block, column, in]
     return blocks.transpose(1, 2).contiguous()
@@ -264,17 +293,18 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x`` [rows, in] times the weight ``pack_linear`` packed, plus ``bias``: [rows, out]. Bit for bit what
     oneDNN's packed matmul gives (one thread) for 2 outputs or more, ``in`` up to 1,024, and a lone row at any ``in``
-    (see the kernel and tests/kernels/test_cpu_linear.py)."""
-    _check(x)
+    (see the kernel and tests/kernels/test_cpu_linear.py), in float32; in bfloat16 the products and sums are float32
+    and the result is rounded once."""
+    kernel = _kernel("linear", x, packed)
     if x.stride(1) != 1:  # (the model's activations are; a transposed view is copied once)
         x = x.contiguous()
     assert packed.shape[1] == x.shape[1], "x's width must be the packed weight's in_features"
     assert 0 < out_features <= packed.shape[0] * LINEAR_COLS, "out_features: more than the packed weight holds"
     if bias is not None:
-        _check(bias)
+        assert bias.dtype is x.dtype and bias.is_cpu, "bias: the dtype of x"
         assert bias.shape == (out_features,) and bias.is_contiguous(), "bias: [out_features], contiguous"
     num_rows, k = x.shape
-    out = torch.empty((num_rows, out_features), dtype=torch.float32)
-    _lib().linear_f32(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+    out = torch.empty((num_rows, out_features), dtype=x.dtype)
+    kernel(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
                       num_rows, out_features, k, x.stride(0), torch.get_num_threads())
     return out

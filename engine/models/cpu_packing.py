@@ -19,7 +19,14 @@ copies are laid out to be read in order:
   and its MLP projections 10-25% less; prefill chunks of 1-2k rows run 5-12% faster too.
 
 The plain weight stays the module's parameter (loading, tied embeddings); the two packed copies cost the linear
-weights' memory twice more, which is why this is a CPU pass for float32 and not the default elsewhere.
+weights' memory twice more, which is why this is a CPU pass and not the default elsewhere.
+
+In bfloat16 (where the CPU has bfloat16 instructions, ``engine.model_runner.resolve_dtype``) every row count goes
+to oneDNN's packed bf16 matmul (AVX-512 BF16's dot products, or AMX): our kernel widens bf16 to float32 and
+multiplies in float32, and that lost to oneDNN at every row count but one (Zen 4, 2 threads, 2026-12-06: 576 x
+3,072 at 1 row 76 against 73 us, at 8 rows 211 against 121, at 16 rows 531 against 215; 1,536 x 576 at 16 rows
+234 against 104 us). ``cpu_kernels.linear`` keeps its bfloat16 form (tests/kernels/test_cpu_kernels_bf16.py) for
+a kernel on the CPU's bf16 dot-product instructions to replace it.
 
 oneDNN keeps a primitive (JIT code and buffers) for every row count it has seen, about 0.6 MB each here and
 never given back: with prompts of every length, an engine's memory grew by ~700 MB over its first few
@@ -83,7 +90,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def pack_linear_weights(model: nn.Module, expected_rows: int = 64) -> int:
-    """Give every float32 ``nn.Linear`` of ``model`` packed copies of its weight (oneDNN's, and the kernel's when
+    """Give every float32 or bfloat16 ``nn.Linear`` of ``model`` packed copies of its weight (oneDNN's, and the kernel's when
     the CPU kernels are built) and a forward that uses them for every row count; returns how many were packed.
     ``expected_rows`` is oneDNN's layout hint."""
     if not packing_available():
@@ -91,10 +98,13 @@ def pack_linear_weights(model: nn.Module, expected_rows: int = 64) -> int:
     max_rows = kernel_rows()
     count = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+        if (isinstance(module, nn.Linear) and module.weight.dtype in cpu_kernels.DTYPES
+                and module.weight.device.type == "cpu"):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), expected_rows)
             # oneDNN's sums, bit for bit (one thread): at every row count up to 1,024 inputs, above only a lone row's
-            if module.out_features < 2:  # a single output oneDNN sums another way
+            if module.weight.dtype != torch.float32:  # oneDNN's bf16 matmul at every row count (see above)
+                module.kernel_rows = 0
+            elif module.out_features < 2:  # a single output oneDNN sums another way
                 module.kernel_rows = 0
             elif module.in_features <= EXACT_KERNEL_IN_FEATURES:
                 module.kernel_rows = max_rows

@@ -1,4 +1,10 @@
-// CPU kernels (float32), called through ctypes by kernels/cpu_kernels.py.
+// CPU kernels (float32 and bfloat16), called through ctypes by kernels/cpu_kernels.py.
+//
+// Every kernel is a template on the storage type T of its tensors: float, or bf16 (bfloat16's 16 bits). The
+// arithmetic is float32 either way: a bf16 value widens exactly to a float on load (a shift), and a result is
+// rounded to the nearest even bf16 once, on store. So a bf16 product is exact in float32 and sums accumulate in
+// float32, as AVX-512 BF16's vdpbf16ps and AMX do; what bf16 saves is half the bytes read (the decode steps
+// are memory-bound). Each kernel is exported twice, NAME_f32 and NAME_bf16.
 //
 // Decode attention over the paged KV cache, reading each row's context where it lies.
 //
@@ -43,8 +49,37 @@
 constexpr int VL = INFLIGHT_LANES;
 typedef float vecf __attribute__((vector_size(VL * 4)));
 typedef int veci __attribute__((vector_size(VL * 4)));
+typedef unsigned vecu __attribute__((vector_size(VL * 4)));
+typedef uint16_t bf16;  // a bfloat16's bits: a float32's top half
+typedef uint16_t vech __attribute__((vector_size(VL * 2)));
 static inline vecf loadv(const float* p) { vecf v; std::memcpy(&v, p, sizeof(v)); return v; }
 static inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
+static inline vecf loadv(const bf16* p) {
+    vech h;
+    std::memcpy(&h, p, sizeof(h));
+    return (vecf)(__builtin_convertvector(h, vecu) << 16);
+}
+// Round to nearest, ties to even (torch's .to(torch.bfloat16)); a NaN stays a (quiet) NaN.
+static inline void storev(bf16* p, vecf v) {
+    const vecu u = (vecu)v;
+    const vecu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vech h = __builtin_convertvector((v != v) ? ((u >> 16) | 0x40u) : rounded, vech);
+    std::memcpy(p, &h, sizeof(h));
+}
+static inline float to_float(float x) { return x; }
+static inline float to_float(bf16 h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return x;
+}
+template <class T> static inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline bf16 from_float<bf16>(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof(u));
+    return static_cast<bf16>(x != x ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 // exp(x) in a form the compiler vectorises (std::exp is a scalar call): Cephes' expf, 2^n * exp(r) with
 // |r| <= ln(2)/2 and a degree-6 polynomial, within 2 ulp of expf. Inputs below -87 give exp(-87)
@@ -91,9 +126,10 @@ static inline __attribute__((always_inline)) T exp_approx(T x) {
 }
 
 // Blocks are scattered: the hardware prefetcher cannot guess the next one, so ask for it while the current
-// one is being read (a block of one head is block_size * head_dim contiguous floats).
-static inline void prefetch_block(const float* block, int64_t num_floats) {
-    for (int64_t i = 0; i < num_floats; i += 16) __builtin_prefetch(block + i, 0, 1);
+// one is being read (a block of one head is block_size * head_dim contiguous values), a 64-byte line at a time.
+template <class T>
+static inline void prefetch_block(const T* block, int64_t num_values) {
+    for (int64_t i = 0; i < num_values; i += 64 / sizeof(T)) __builtin_prefetch(block + i, 0, 1);
 }
 
 // The largest of s[0 .. n), as a scalar loop from s[0] finds it: NaN never replaces a number (a lane holding NaN
@@ -176,10 +212,10 @@ static inline __attribute__((always_inline)) vecf sum_each(const vecf* v) {
 // 256). ``scores`` holds group * seq_len floats, ``acc`` group * head_dim. 14 rows x 500 tokens (8 heads of 32, 4 kv
 // heads): 0.58 ms as plain loops (dot products summed one key at a time, accumulators in memory) against 0.44 on
 // vectors on the Sapphire Rapids VM; 0.26 against 0.20 on the Zen 3 VM.
-template <int HEAD_DIM>
-static void decode_task(const float* __restrict query, const float* __restrict k_head,
-                        const float* __restrict v_head, const int64_t* __restrict table, int64_t seq_len,
-                        float* __restrict out, int64_t group, int64_t runtime_head_dim, int64_t block_size,
+template <int HEAD_DIM, class T>
+static void decode_task(const T* __restrict query, const T* __restrict k_head,
+                        const T* __restrict v_head, const int64_t* __restrict table, int64_t seq_len,
+                        T* __restrict out, int64_t group, int64_t runtime_head_dim, int64_t block_size,
                         float scale, float* __restrict scores, float* __restrict acc) {
     static_assert(HEAD_DIM % 16 == 0 && 16 % VL == 0, "whole vectors per key");
     const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
@@ -191,9 +227,9 @@ static void decode_task(const float* __restrict query, const float* __restrict k
     // the cache twice and took 2.6x as long on a Zen 3 VM with slow scattered reads. Until pass 3, ``acc`` holds
     // the scaled queries.
     float* __restrict q_scaled = acc;
-    for (int64_t i = 0; i < group * head_dim; ++i) q_scaled[i] = query[i] * scale;
+    for (int64_t i = 0; i < group * head_dim; ++i) q_scaled[i] = to_float(query[i]) * scale;
     for (int64_t first = 0; first < seq_len; first += block_size) {
-        const float* __restrict k = k_head + table[first / block_size] * block_floats;
+        const T* __restrict k = k_head + table[first / block_size] * block_floats;
         const int64_t n = std::min(block_size, seq_len - first);
         if (first + block_size < seq_len) prefetch_block(k_head + table[first / block_size + 1] * block_floats, block_floats);
         for (int64_t j0 = 0; j0 < n; j0 += VL) {
@@ -205,7 +241,7 @@ static void decode_task(const float* __restrict query, const float* __restrict k
                 for (int64_t j = 0; j < VL; ++j) {
                     vecf p = {};
                     if (j < keys) {
-                        const float* kj = k + (j0 + j) * head_dim;
+                        const T* kj = k + (j0 + j) * head_dim;
                         for (int c = 0; c < V; ++c) p += q[c] * loadv(kj + c * VL);
                     }
                     prod[j] = p;
@@ -223,7 +259,7 @@ static void decode_task(const float* __restrict query, const float* __restrict k
     // pass 3: out_g = sum_t p[g, t] v_t, a block of V at a time for every query head of the group
     std::fill_n(acc, group * head_dim, 0.f);
     for (int64_t first = 0; first < seq_len; first += block_size) {
-        const float* __restrict v = v_head + table[first / block_size] * block_floats;
+        const T* __restrict v = v_head + table[first / block_size] * block_floats;
         const int64_t n = std::min(block_size, seq_len - first);
         if (first + block_size < seq_len) prefetch_block(v_head + table[first / block_size + 1] * block_floats, block_floats);
         for (int64_t g = 0; g < group; ++g) {
@@ -257,9 +293,9 @@ constexpr int64_t KEY_VEC = VL;
 // with 16 registers (AVX2) one per row, or the accumulators spill.
 constexpr int COL_VECS = VL == 16 ? 2 : 1;
 
-template <int HEAD_DIM>
-static void causal_tile(const float* __restrict query, const float* __restrict kt, const float* __restrict value,
-                        float* __restrict out, int64_t first_row, int64_t num_rows, int64_t head, int64_t kv_head,
+template <int HEAD_DIM, class T>
+static void causal_tile(const T* __restrict query, const float* __restrict kt, const T* __restrict value,
+                        T* __restrict out, int64_t first_row, int64_t num_rows, int64_t head, int64_t kv_head,
                         int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t keys_stride,
                         float scale, float* __restrict scores) {
     static_assert(HEAD_DIM % 32 == 0 && 32 % (COL_VECS * KEY_VEC) == 0, "head_dim in whole sweeps of columns");
@@ -269,7 +305,7 @@ static void causal_tile(const float* __restrict query, const float* __restrict k
     float q[CAUSAL_ROWS][HEAD_DIM > 0 ? HEAD_DIM : 256];
     for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
         for (int64_t d = 0; d < head_dim; ++d)
-            q[r][d] = r < num_rows ? query[((first_row + r) * num_heads + head) * head_dim + d] * scale : 0.f;
+            q[r][d] = r < num_rows ? to_float(query[((first_row + r) * num_heads + head) * head_dim + d]) * scale : 0.f;
     // scores[r, j] = q_r . k_j, KEY_VEC keys at a time (kt is zero past the last key, so the tail is harmless)
     for (int64_t j0 = 0; j0 < padded_keys; j0 += KEY_VEC) {
         vecf acc[CAUSAL_ROWS] = {};
@@ -295,7 +331,7 @@ static void causal_tile(const float* __restrict query, const float* __restrict k
     // out_r = sum_j p[r, j] v_j, COL_VECS vectors of columns at a time: each V row read once per sweep for the
     // tile's rows
     const int64_t v_stride = num_kv_heads * head_dim;
-    const float* v_head = value + kv_head * head_dim;
+    const T* v_head = value + kv_head * head_dim;
     for (int64_t c0 = 0; c0 < head_dim; c0 += COL_VECS * KEY_VEC) {
         vecf a[CAUSAL_ROWS][COL_VECS] = {};
         for (int64_t j = 0; j <= first_row; ++j) {  // keys every row of the tile sees
@@ -322,7 +358,7 @@ static void causal_tile(const float* __restrict query, const float* __restrict k
 #pragma GCC unroll 8
         for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
             if (r >= num_rows) continue;
-            float* __restrict dst = out + ((first_row + r) * num_heads + head) * head_dim + c0;
+            T* __restrict dst = out + ((first_row + r) * num_heads + head) * head_dim + c0;
             for (int c = 0; c < COL_VECS; ++c) storev(dst + c * KEY_VEC, a[r][c] * inv_sum[r]);
         }
     }
@@ -369,9 +405,9 @@ static inline vecf fused_mul_add(vecf a, vecf b, vecf c) {
 }
 
 // ROWS rows of x against one 64-column block of the packed weight: acc <- x[:, k0:k1] . W[k0:k1, block].
-template <int ROWS>
-static inline __attribute__((always_inline)) void linear_chain(const float* __restrict x, int64_t stride_x,
-                                                               const float* __restrict w, int64_t k0, int64_t k1,
+template <int ROWS, class T>
+static inline __attribute__((always_inline)) void linear_chain(const T* __restrict x, int64_t stride_x,
+                                                               const T* __restrict w, int64_t k0, int64_t k1,
                                                                vecf (&acc)[LINEAR_ROWS][LINEAR_VECS]) {
     for (int r = 0; r < ROWS; ++r)
         for (int j = 0; j < LINEAR_VECS; ++j) acc[r][j] = vecf{};
@@ -379,15 +415,15 @@ static inline __attribute__((always_inline)) void linear_chain(const float* __re
         vecf wv[LINEAR_VECS];
         for (int j = 0; j < LINEAR_VECS; ++j) wv[j] = loadv(w + kk * LINEAR_COLS + j * VL);
         for (int r = 0; r < ROWS; ++r) {
-            const vecf a = vecf{} + x[r * stride_x + kk];
+            const vecf a = vecf{} + to_float(x[r * stride_x + kk]);
             for (int j = 0; j < LINEAR_VECS; ++j) acc[r][j] = fused_mul_add(a, wv[j], acc[r][j]);
         }
     }
 }
 
-template <int ROWS>
-static void linear_rows(const float* __restrict x, int64_t stride_x, const float* __restrict w,
-                        const float* __restrict bias, float* __restrict y, int64_t stride_y, int64_t k, int64_t cols) {
+template <int ROWS, class T>
+static void linear_rows(const T* __restrict x, int64_t stride_x, const T* __restrict w,
+                        const T* __restrict bias, T* __restrict y, int64_t stride_y, int64_t k, int64_t cols) {
     vecf sum[LINEAR_ROWS][LINEAR_VECS], part[LINEAR_ROWS][LINEAR_VECS];
     linear_chain<ROWS>(x, stride_x, w, 0, std::min(k, LINEAR_K_BLOCK), sum);
     for (int64_t k0 = LINEAR_K_BLOCK; k0 < k; k0 += LINEAR_K_BLOCK) {
@@ -398,30 +434,30 @@ static void linear_rows(const float* __restrict x, int64_t stride_x, const float
     for (int r = 0; r < ROWS; ++r) {
         float out[LINEAR_COLS];
         for (int j = 0; j < LINEAR_VECS; ++j) storev(out + j * VL, sum[r][j]);
-        float* dst = y + r * stride_y;
+        T* dst = y + r * stride_y;
         if (bias != nullptr)
-            for (int64_t c = 0; c < cols; ++c) dst[c] = out[c] + bias[c];
+            for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<T>(out[c] + to_float(bias[c]));
         else
-            std::memcpy(dst, out, cols * sizeof(float));
+            for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<T>(out[c]);
     }
 }
 
 // One 64-column block for every row (a function of its own: see ROW_FN below on OpenMP bodies).
-static __attribute__((noinline)) void linear_block(const float* x, const float* w, const float* bias, float* y,
+template <class T>
+static __attribute__((noinline)) void linear_block(const T* x, const T* w, const T* bias, T* y,
                                                    int64_t num_rows, int64_t k, int64_t n, int64_t stride_x,
                                                    int64_t cols) {
     int64_t r = 0;
     for (; r + LINEAR_ROWS <= num_rows; r += LINEAR_ROWS)
-        linear_rows<LINEAR_ROWS>(x + r * stride_x, stride_x, w, bias, y + r * n, n, k, cols);
-    for (; r < num_rows; ++r) linear_rows<1>(x + r * stride_x, stride_x, w, bias, y + r * n, n, k, cols);
+        linear_rows<LINEAR_ROWS, T>(x + r * stride_x, stride_x, w, bias, y + r * n, n, k, cols);
+    for (; r < num_rows; ++r) linear_rows<1, T>(x + r * stride_x, stride_x, w, bias, y + r * n, n, k, cols);
 }
-
-extern "C" {
 
 // query, out: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim]; float32,
 // contiguous. Token t attends to tokens 0..t. head_dim a multiple of 32 up to 256 (the caller checks: other
 // sizes return without writing); num_heads a multiple of num_kv_heads.
-void causal_attention_f32(const float* query, const float* key, const float* value, float* out, int64_t num_tokens,
+template <class T>
+static void causal_attention(const T* query, const T* key, const T* value, T* out, int64_t num_tokens,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
     if (num_tokens <= 0 || head_dim <= 0 || head_dim > 256 || head_dim % 32 != 0) return;
     const int64_t group = num_heads / num_kv_heads;
@@ -431,7 +467,7 @@ void causal_attention_f32(const float* query, const float* key, const float* val
     for (int64_t h = 0; h < num_kv_heads; ++h)
         for (int64_t t = 0; t < num_tokens; ++t)
             for (int64_t d = 0; d < head_dim; ++d)
-                kt[(h * head_dim + d) * keys_stride + t] = key[(t * num_kv_heads + h) * head_dim + d];
+                kt[(h * head_dim + d) * keys_stride + t] = to_float(key[(t * num_kv_heads + h) * head_dim + d]);
     const int64_t num_tiles = (num_tokens + CAUSAL_ROWS - 1) / CAUSAL_ROWS;
     const int64_t num_tasks = num_heads * num_tiles;
 #pragma omp parallel num_threads(num_threads)
@@ -449,10 +485,10 @@ void causal_attention_f32(const float* query, const float* key, const float* val
                         head_dim, keys_stride, scale, scores.data());
             };
             switch (head_dim) {
-                case 32: run(causal_tile<32>); break;
-                case 64: run(causal_tile<64>); break;
-                case 128: run(causal_tile<128>); break;
-                default: run(causal_tile<0>); break;
+                case 32: run(causal_tile<32, T>); break;
+                case 64: run(causal_tile<64, T>); break;
+                case 128: run(causal_tile<128, T>); break;
+                default: run(causal_tile<0, T>); break;
             }
         }
     }
@@ -464,9 +500,10 @@ void causal_attention_f32(const float* query, const float* key, const float* val
 // block_tables: [num_rows, table_stride] int64; seq_lens: [num_rows] int64 (keys visible to each row).
 // Query heads per kv head (num_heads / num_kv_heads) must be at most 64; head_dim a multiple of 16 up to 256
 // (the caller checks: other sizes return without writing).
-void paged_decode_attention_f32(const float* query, const float* k_cache, const float* v_cache,
+template <class T>
+static void paged_decode_attention(const T* query, const T* k_cache, const T* v_cache,
                                 const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
-                                float* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                                T* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
                                 int num_threads) {
     if (head_dim <= 0 || head_dim > 256 || head_dim % 16 != 0) return;
@@ -485,22 +522,22 @@ void paged_decode_attention_f32(const float* query, const float* k_cache, const 
             const int64_t seq_len = seq_lens[row];
             const int64_t offset = (row * num_heads + kv_head * group) * head_dim;  // the group's first head
             if (seq_len <= 0) {  // nothing visible (the engine never sends such a row): a zero output, not UB
-                std::fill_n(out + offset, group * head_dim, 0.f);
+                std::fill_n(out + offset, group * head_dim, T{});
                 continue;
             }
             scores.resize(group * seq_len);
-            const float* k_head = k_cache + kv_head * head_stride;
-            const float* v_head = v_cache + kv_head * head_stride;
+            const T* k_head = k_cache + kv_head * head_stride;
+            const T* v_head = v_cache + kv_head * head_stride;
             const int64_t* table = block_tables + row * table_stride;
             auto run = [&](auto task_fn) {
                 task_fn(query + offset, k_head, v_head, table, seq_len, out + offset, group, head_dim, block_size,
                         scale, scores.data(), acc.data());
             };
             switch (head_dim) {
-                case 32: run(decode_task<32>); break;
-                case 64: run(decode_task<64>); break;
-                case 128: run(decode_task<128>); break;
-                default: run(decode_task<0>); break;
+                case 32: run(decode_task<32, T>); break;
+                case 64: run(decode_task<64, T>); break;
+                case 128: run(decode_task<128, T>); break;
+                default: run(decode_task<0, T>); break;
             }
         }
     }
@@ -514,25 +551,27 @@ void paged_decode_attention_f32(const float* query, const float* k_cache, const 
 // row of these passes is a function of its own, never inlined into the parallel loop.
 #define ROW_FN static __attribute__((noinline))
 
-ROW_FN void rms_norm_row(const float* __restrict xt, float* __restrict rt, const float* __restrict weight,
-                         float* __restrict ot, int64_t hidden, float eps) {
-    const float* src = xt;
-    if (rt != nullptr) {
+template <class T>
+ROW_FN void rms_norm_row(const T* __restrict xt, T* __restrict rt, const T* __restrict weight,
+                         T* __restrict ot, int64_t hidden, float eps) {
+    const T* src = xt;
+    if (rt != nullptr) {  // (in bf16 the sum is rounded as it is stored: the residual stream is bf16, as in HF)
 #pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) rt[i] += xt[i];
+        for (int64_t i = 0; i < hidden; ++i) rt[i] = from_float<T>(to_float(rt[i]) + to_float(xt[i]));
         src = rt;
     }
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < hidden; ++i) sum += src[i] * src[i];
+    for (int64_t i = 0; i < hidden; ++i) sum += to_float(src[i]) * to_float(src[i]);
     const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
 #pragma omp simd
-    for (int64_t i = 0; i < hidden; ++i) ot[i] = src[i] * inv_rms * weight[i];
+    for (int64_t i = 0; i < hidden; ++i) ot[i] = from_float<T>(to_float(src[i]) * inv_rms * to_float(weight[i]));
 }
 
 // out = rms_norm(x (+ residual)) * weight; with residual, residual <- x + residual first (the next
 // residual stream). x, residual, out: [num_tokens, hidden] with row strides; weight: [hidden].
-void rms_norm_f32(const float* x, float* residual, const float* weight, float* out, int64_t num_tokens,
+template <class T>
+static void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t num_tokens,
                   int64_t hidden, int64_t stride_x, int64_t stride_r, int64_t stride_o, float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * hidden))
     for (int64_t t = 0; t < num_tokens; ++t)
@@ -540,36 +579,43 @@ void rms_norm_f32(const float* x, float* residual, const float* weight, float* o
                      out + t * stride_o, hidden, eps);
 }
 
-ROW_FN void silu_and_mul_row(const float* __restrict gate, const float* __restrict up, float* __restrict o,
-                             int64_t width) {
+template <class T>
+ROW_FN void silu_and_mul_row(const T* __restrict gate, const T* __restrict up, T* __restrict o, int64_t width) {
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
+    for (int64_t i = 0; i < width; ++i) {
+        const float g = to_float(gate[i]);
+        o[i] = from_float<T>(g / (1.f + exp_approx(-g)) * to_float(up[i]));
+    }
 }
 
 // out[t] = silu(gate_up[t, :width]) * gate_up[t, width:]
-void silu_and_mul_f32(const float* gate_up, float* out, int64_t num_tokens, int64_t width, int64_t stride_in,
-                      int num_threads) {
+template <class T>
+static void silu_and_mul(const T* gate_up, T* out, int64_t num_tokens, int64_t width, int64_t stride_in,
+                         int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * width))
     for (int64_t t = 0; t < num_tokens; ++t)
         silu_and_mul_row(gate_up + t * stride_in, gate_up + t * stride_in + width, out + t * width, width);
 }
 
-ROW_FN void rope_token(const float* __restrict x, const float* __restrict c, const float* __restrict s,
-                       float* __restrict out, int64_t num_heads, int64_t half, int64_t stride_xh) {
+template <class T>
+ROW_FN void rope_token(const T* __restrict x, const float* __restrict c, const float* __restrict s,
+                       T* __restrict out, int64_t num_heads, int64_t half, int64_t stride_xh) {
     for (int64_t h = 0; h < num_heads; ++h) {
-        const float* a = x + h * stride_xh;
-        float* o = out + h * 2 * half;
+        const T* a = x + h * stride_xh;
+        T* o = out + h * 2 * half;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-            o[i] = a[i] * c[i] - a[half + i] * s[i];
-            o[half + i] = a[half + i] * c[i] + a[i] * s[i];
+            const float lo = to_float(a[i]), hi = to_float(a[half + i]);
+            o[i] = from_float<T>(lo * c[i] - hi * s[i]);
+            o[half + i] = from_float<T>(hi * c[i] + lo * s[i]);
         }
     }
 }
 
 // Rotary embedding, rotate-half layout: x [num_tokens, num_heads, head_dim] (token and head strides, last
-// dim contiguous) -> out, contiguous; cos, sin: [num_tokens, head_dim / 2].
-void rope_f32(const float* x, const float* cos, const float* sin, float* out, int64_t num_tokens, int64_t num_heads,
+// dim contiguous) -> out, contiguous; cos, sin: float32 [num_tokens, head_dim / 2] (in either storage type).
+template <class T>
+static void rope(const T* x, const float* cos, const float* sin, T* out, int64_t num_tokens, int64_t num_heads,
               int64_t head_dim, int64_t stride_xt, int64_t stride_xh, int num_threads) {
     const int64_t half = head_dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * num_heads * head_dim))
@@ -580,7 +626,8 @@ void rope_f32(const float* x, const float* cos, const float* sin, float* out, in
 
 // The step's new K and V into the head-major paged cache: cache[h, slot / block_size, slot % block_size, :]
 // = key[t, h, :]. key, value: [num_tokens, num_kv_heads, head_dim] with token and head strides.
-void store_kv_f32(const float* key, const float* value, float* k_cache, float* v_cache, const int64_t* slots,
+template <class T>
+static void store_kv(const T* key, const T* value, T* k_cache, T* v_cache, const int64_t* slots,
                   int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                   int64_t stride_kt, int64_t stride_kh, int64_t stride_vt, int64_t stride_vh, int num_threads) {
     const int64_t head_stride = num_blocks * block_size * head_dim;
@@ -594,19 +641,66 @@ void store_kv_f32(const float* key, const float* value, float* k_cache, float* v
     }
 }
 
-// The most rows ``linear_f32`` should take: 0 without FMA instructions (software FMA is ~60x slower, and oneDNN
-// multiplies and adds apart there, so the bits would differ too).
-int linear_max_rows() { return INFLIGHT_HARDWARE_FMA ? LINEAR_MAX_ROWS : 0; }
-
 // y [num_rows, n] (contiguous) = x [num_rows, k] (row stride stride_x) W^T + bias (nullptr: none), W packed as
 // [ceil(n / 64)][k][64] with the columns past n zero (kernels/cpu_kernels.py's pack_linear). Column blocks split over threads when there is enough work.
-void linear_f32(const float* x, const float* packed, const float* bias, float* y, int64_t num_rows, int64_t n,
-                int64_t k, int64_t stride_x, int num_threads) {
+template <class T>
+static void linear(const T* x, const T* packed, const T* bias, T* y, int64_t num_rows, int64_t n,
+                   int64_t k, int64_t stride_x, int num_threads) {
     const int64_t num_blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
 #pragma omp parallel for num_threads(num_threads) if (worth_threads(num_rows * n * k / 8))
     for (int64_t b = 0; b < num_blocks; ++b)
         linear_block(x, packed + b * k * LINEAR_COLS, bias != nullptr ? bias + b * LINEAR_COLS : nullptr,
                      y + b * LINEAR_COLS, num_rows, k, n, stride_x, std::min(LINEAR_COLS, n - b * LINEAR_COLS));
 }
+
+extern "C" {
+
+// The most rows ``linear_*`` should take: 0 without FMA instructions (software FMA is ~60x slower, and oneDNN
+// multiplies and adds apart there, so the bits would differ too).
+int linear_max_rows() { return INFLIGHT_HARDWARE_FMA ? LINEAR_MAX_ROWS : 0; }
+
+// Each kernel for both storage types: NAME_f32 on float, NAME_bf16 on bfloat16 (kernels/cpu_kernels.py's
+// signatures; cos and sin stay float32 in both).
+#define INFLIGHT_EXPORTS(T, SUFFIX)                                                                                 \
+    void causal_attention_##SUFFIX(const T* query, const T* key, const T* value, T* out, int64_t num_tokens,       \
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,         \
+                                   int num_threads) {                                                              \
+        causal_attention<T>(query, key, value, out, num_tokens, num_heads, num_kv_heads, head_dim, scale,          \
+                            num_threads);                                                                          \
+    }                                                                                                              \
+    void paged_decode_attention_##SUFFIX(const T* query, const T* k_cache, const T* v_cache,                       \
+                                         const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens, \
+                                         T* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,        \
+                                         int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,    \
+                                         int num_threads) {                                                        \
+        paged_decode_attention<T>(query, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_rows,    \
+                                  num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, num_threads);  \
+    }                                                                                                              \
+    void rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, T* out, int64_t num_tokens, int64_t hidden,   \
+                           int64_t stride_x, int64_t stride_r, int64_t stride_o, float eps, int num_threads) {     \
+        rms_norm<T>(x, residual, weight, out, num_tokens, hidden, stride_x, stride_r, stride_o, eps, num_threads); \
+    }                                                                                                              \
+    void silu_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t num_tokens, int64_t width, int64_t stride_in,     \
+                               int num_threads) {                                                                  \
+        silu_and_mul<T>(gate_up, out, num_tokens, width, stride_in, num_threads);                                  \
+    }                                                                                                              \
+    void rope_##SUFFIX(const T* x, const float* cos, const float* sin, T* out, int64_t num_tokens,                 \
+                       int64_t num_heads, int64_t head_dim, int64_t stride_xt, int64_t stride_xh, int num_threads) {\
+        rope<T>(x, cos, sin, out, num_tokens, num_heads, head_dim, stride_xt, stride_xh, num_threads);             \
+    }                                                                                                              \
+    void store_kv_##SUFFIX(const T* key, const T* value, T* k_cache, T* v_cache, const int64_t* slots,             \
+                           int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,         \
+                           int64_t block_size, int64_t stride_kt, int64_t stride_kh, int64_t stride_vt,            \
+                           int64_t stride_vh, int num_threads) {                                                   \
+        store_kv<T>(key, value, k_cache, v_cache, slots, num_tokens, num_kv_heads, head_dim, num_blocks,           \
+                    block_size, stride_kt, stride_kh, stride_vt, stride_vh, num_threads);                          \
+    }                                                                                                              \
+    void linear_##SUFFIX(const T* x, const T* packed, const T* bias, T* y, int64_t num_rows, int64_t n, int64_t k, \
+                         int64_t stride_x, int num_threads) {                                                      \
+        linear<T>(x, packed, bias, y, num_rows, n, k, stride_x, num_threads);                                      \
+    }
+
+INFLIGHT_EXPORTS(float, f32)
+INFLIGHT_EXPORTS(bf16, bf16)
 
 }  // extern "C"

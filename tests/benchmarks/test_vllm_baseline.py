@@ -142,9 +142,12 @@ def parse(*flags: str):
 
 
 def test_baselines_vllm_adds_the_vllm_system_with_its_settings():
-    args = parse("--batching", "continuous,static", "--baselines", "vllm")
+    args = parse("--batching", "continuous,static", "--baselines", "vllm", "--dtype", "float32")
     assert args.systems == ["continuous", "static", "vllm"]
     assert args.vllm == VllmSettings(sys.executable, "float32", "0-1", False)
+    # by default vLLM runs in the dtype ours runs in: "auto" resolved once, for both
+    args = parse("--baselines", "vllm")
+    assert args.dtype in ("float32", "bfloat16") and args.vllm.dtype == args.dtype
     args = parse("--baselines", "hf,vllm", "--threads", "4", "--vllm-dtype", "bfloat16", "--vllm-eager")
     assert args.systems == ["continuous", "static", "hf-static", "hf-cb", "vllm"]
     assert args.vllm == VllmSettings(sys.executable, "bfloat16", "0-3", True)

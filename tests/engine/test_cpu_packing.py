@@ -108,12 +108,26 @@ def test_a_row_alone_gets_the_bits_it_gets_beside_others(batch):
         assert torch.equal(model(x[:1]), model(x)[:1])
 
 
-def test_only_float32_cpu_linears_are_packed():
+def test_only_float32_and_bfloat16_cpu_linears_are_packed():
     model = make_model()
-    model[1].to(torch.bfloat16)
+    model[1].to(torch.float16)
     with torch.inference_mode():
         assert cpu_packing.pack_linear_weights(model) == 1
     assert hasattr(model[0], "packed_weight") and not hasattr(model[1], "packed_weight")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
+def test_bfloat16_linears_give_the_matmul_at_every_row_count(rows):
+    """Kernel rows (up to kernel_rows()) and oneDNN's bf16 matmul above: both the float32 product of the bfloat16
+    operands, rounded once (so within bfloat16's precision of the exact result)."""
+    linear = nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    want = x.double() @ linear.weight.double().T + linear.bias.double()
+    with torch.inference_mode():
+        assert cpu_packing.pack_linear_weights(linear) == 1
+        got = linear(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 1536)
+    torch.testing.assert_close(got.double(), want, atol=0.02, rtol=2 ** -7)
 
 
 def test_row_counts_are_padded_to_a_bounded_set_of_sizes():

@@ -403,12 +403,13 @@ def test_results_do_not_depend_on_the_thread_count(restore_threads):
 # ---- choosing the backend, building the library ------------------------------------------------------
 
 
-def test_auto_picks_the_cpu_backend_in_float32_only():
+def test_auto_picks_the_cpu_backend_in_float32_and_bfloat16_only():
     cpu = torch.device("cpu")
     assert isinstance(get_attention_backend("auto", cpu, torch.float32), CpuPagedAttention)
-    assert get_attention_backend("auto", cpu, torch.bfloat16).name == "torch"
-    with pytest.raises(ValueError, match="attention_backend 'cpu'"):
-        get_attention_backend("cpu", cpu, torch.bfloat16)
+    assert isinstance(get_attention_backend("auto", cpu, torch.bfloat16), CpuPagedAttention)
+    assert get_attention_backend("auto", cpu, torch.float16).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend 'cpu' runs float32 or bfloat16"):
+        get_attention_backend("cpu", cpu, torch.float16)
 
 
 @pytest.fixture

@@ -1,0 +1,56 @@
+"""``dtype="auto"``: which dtype an engine runs in, and that it says why at start."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import model_runner
+from engine.model_runner import resolve_dtype
+from kernels import cpu_kernels
+from tests.engine.helpers import make_engine
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize("hardware", ["amx_bf16", "avx512_bf16"])
+@pytest.mark.parametrize("checkpoint", ["bfloat16", "float16"])
+def test_a_half_precision_checkpoint_runs_in_bfloat16_on_a_cpu_with_bfloat16_units(monkeypatch, hardware, checkpoint):
+    monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: hardware)
+    assert resolve_dtype("auto", checkpoint, CPU) == torch.bfloat16
+
+
+@pytest.mark.parametrize("checkpoint", ["bfloat16", "float32", None])
+def test_float32_without_bfloat16_units_or_for_a_float32_checkpoint(monkeypatch, checkpoint):
+    monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: None)
+    assert resolve_dtype("auto", checkpoint, CPU) == torch.float32
+    monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: "avx512_bf16")
+    if checkpoint != "bfloat16":
+        assert resolve_dtype("auto", checkpoint, CPU) == torch.float32
+
+
+def test_an_explicit_dtype_is_kept_and_a_gpu_takes_the_checkpoints_half_precision(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: "avx512_bf16")
+    assert resolve_dtype("float32", "bfloat16", CPU) == torch.float32
+    assert resolve_dtype("bfloat16", "float32", CPU) == torch.bfloat16
+    assert resolve_dtype("auto", "float16", GPU) == torch.float16
+    assert resolve_dtype("auto", "float32", GPU) == torch.bfloat16
+
+
+def test_the_hardware_is_read_from_the_cpus_flags(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_cpu_signature", lambda: "model name : X\nflags : fpu avx512f avx512_bf16 sse")
+    assert cpu_kernels.bf16_hardware() == "avx512_bf16"
+    monkeypatch.setattr(cpu_kernels, "_cpu_signature", lambda: "flags : avx512_bf16 amx_tile amx_bf16")
+    assert cpu_kernels.bf16_hardware() == "amx_bf16"
+    monkeypatch.setattr(cpu_kernels, "_cpu_signature", lambda: "flags : avx2 fma")
+    assert cpu_kernels.bf16_hardware() is None
+
+
+def test_the_engine_logs_its_dtype_and_why(caplog, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: None)
+    with caplog.at_level(logging.INFO, logger=model_runner.__name__):
+        engine = make_engine(dtype="auto")  # demo-tiny: a float32 checkpoint
+    assert engine.runner.dtype == torch.float32
+    assert "running in float32 (auto: this CPU has no bfloat16 instructions" in caplog.text
