@@ -203,7 +203,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_title(title)
         ax.set_xlabel("ms per step")
     axes[1].legend(loc="upper center", bbox_to_anchor=(-0.1, -0.28), ncol=len(KINDS), fontsize=8)
-    fig.suptitle(f"Where a step's time goes: {result['model']}, {result['threads']} threads")
+    fig.suptitle(f"Where a step's time goes: {result['model']}, {result['threads']} threads", y=1.05)
     fig.savefig(path, bbox_inches="tight", dpi=110)
 
 

@@ -115,6 +115,7 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
     lib.linear_max_rows.argtypes, lib.linear_max_rows.restype = [], i32
+    lib.bf16_dot_products.argtypes, lib.bf16_dot_products.restype = [], i32
     return lib
 
 
@@ -158,6 +159,14 @@ def _check_index(*tensors: torch.Tensor) -> None:
     # The kernels read these through raw int64 pointers: another dtype would read the wrong memory.
     for t in tensors:
         assert t.dtype is torch.int64 and t.is_cpu, "block tables, lengths and slots must be int64"
+
+
+def bf16_dot_products() -> bool:
+    """Whether this build's bfloat16 attention runs on AVX-512 BF16's dot products (decode: the scores, for heads
+    of a multiple of 32; causal: scores and V pass, its softmax weights rounded to bfloat16 as transformers' bf16
+    attention rounds them) rather than widening to float32 (the float32 kernel's result, rounded once)."""
+    lib = load()
+    return bool(lib is not None and lib.bf16_dot_products())
 
 
 def causal_attention_supports(head_dim: int) -> bool:

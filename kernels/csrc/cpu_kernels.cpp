@@ -47,6 +47,13 @@
 #endif
 #endif
 constexpr int VL = INFLIGHT_LANES;
+// bf16 kernels on AVX-512 BF16's dot-product instructions where the build has them (16 lanes), else widened.
+#if defined(__AVX512BF16__) && INFLIGHT_LANES == 16
+#define INFLIGHT_BF16_DOT 1
+#else
+#define INFLIGHT_BF16_DOT 0
+#endif
+
 typedef float vecf __attribute__((vector_size(VL * 4)));
 typedef int veci __attribute__((vector_size(VL * 4)));
 typedef unsigned vecu __attribute__((vector_size(VL * 4)));
@@ -212,6 +219,47 @@ static inline __attribute__((always_inline)) vecf sum_each(const vecf* v) {
 // 256). ``scores`` holds group * seq_len floats, ``acc`` group * head_dim. 14 rows x 500 tokens (8 heads of 32, 4 kv
 // heads): 0.58 ms as plain loops (dot products summed one key at a time, accumulators in memory) against 0.44 on
 // vectors on the Sapphire Rapids VM; 0.26 against 0.20 on the Zen 3 VM.
+#if INFLIGHT_BF16_DOT
+// Pass 1 of decode_task in bf16 on dot products: scores[g, t] = scale * q_g . k_t, 32 dimensions of a key per
+// vdpbf16ps (half the instructions of widening and fusing multiply-adds), then summed as sum_each sums VL keys.
+// head_dim a multiple of 32.
+template <int HEAD_DIM>
+static void decode_scores_dot(const bf16* __restrict query, const bf16* __restrict k_head,
+                              const int64_t* __restrict table, int64_t seq_len, int64_t group,
+                              int64_t runtime_head_dim, int64_t block_size, float scale, float* __restrict scores) {
+    const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+    const int W = static_cast<int>(head_dim / 32);
+    constexpr int W_MAX = (HEAD_DIM > 0 ? HEAD_DIM : 256) / 32;
+    const int64_t block_values = block_size * head_dim;
+    for (int64_t first = 0; first < seq_len; first += block_size) {
+        const bf16* __restrict k = k_head + table[first / block_size] * block_values;
+        const int64_t n = std::min(block_size, seq_len - first);
+        if (first + block_size < seq_len) prefetch_block(k_head + table[first / block_size + 1] * block_values, block_values);
+        for (int64_t j0 = 0; j0 < n; j0 += VL) {
+            const int64_t keys = std::min<int64_t>(VL, n - j0);
+            for (int64_t g = 0; g < group; ++g) {
+                __m512bh q[W_MAX];
+                for (int c = 0; c < W; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + g * head_dim + c * 32);
+                vecf prod[VL];
+                for (int64_t j = 0; j < VL; ++j) {
+                    __m512 p = _mm512_setzero_ps();
+                    if (j < keys) {
+                        const bf16* kj = k + (j0 + j) * head_dim;
+                        for (int c = 0; c < W; ++c)
+                            p = _mm512_dpbf16_ps(p, q[c], (__m512bh)_mm512_loadu_si512(kj + c * 32));
+                    }
+                    prod[j] = (vecf)p;
+                }
+                const vecf dots = sum_each(prod) * scale;
+                float* dst = scores + g * seq_len + first + j0;
+                if (keys == VL) storev(dst, dots);
+                else for (int64_t j = 0; j < keys; ++j) dst[j] = dots[j];
+            }
+        }
+    }
+}
+#endif
+
 template <int HEAD_DIM, class T>
 static void decode_task(const T* __restrict query, const T* __restrict k_head,
                         const T* __restrict v_head, const int64_t* __restrict table, int64_t seq_len,
@@ -226,9 +274,18 @@ static void decode_task(const T* __restrict query, const T* __restrict k_head,
     // from memory once (from L1 for the group's other heads): with the heads outside the walk, a group of 2 read
     // the cache twice and took 2.6x as long on a Zen 3 VM with slow scattered reads. Until pass 3, ``acc`` holds
     // the scaled queries.
+    bool scored = false;
+#if INFLIGHT_BF16_DOT
+    if constexpr (sizeof(T) == sizeof(bf16)) {
+        if (head_dim % 32 == 0) {
+            decode_scores_dot<HEAD_DIM>(query, k_head, table, seq_len, group, head_dim, block_size, scale, scores);
+            scored = true;
+        }
+    }
+#endif
     float* __restrict q_scaled = acc;
-    for (int64_t i = 0; i < group * head_dim; ++i) q_scaled[i] = to_float(query[i]) * scale;
-    for (int64_t first = 0; first < seq_len; first += block_size) {
+    for (int64_t i = 0; i < group * head_dim && !scored; ++i) q_scaled[i] = to_float(query[i]) * scale;
+    for (int64_t first = 0; first < seq_len && !scored; first += block_size) {
         const T* __restrict k = k_head + table[first / block_size] * block_floats;
         const int64_t n = std::min(block_size, seq_len - first);
         if (first + block_size < seq_len) prefetch_block(k_head + table[first / block_size + 1] * block_floats, block_floats);
@@ -456,10 +513,141 @@ static __attribute__((noinline)) void linear_block(const T* x, const T* w, const
 // query, out: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim]; float32,
 // contiguous. Token t attends to tokens 0..t. head_dim a multiple of 32 up to 256 (the caller checks: other
 // sizes return without writing); num_heads a multiple of num_kv_heads.
+#if INFLIGHT_BF16_DOT
+// bf16 causal attention on AVX-512 BF16's dot products (vdpbf16ps: two bf16 products and a float32 sum per lane),
+// half the instructions of widening to float32 and fusing multiply-adds. The tile of causal_tile, with K laid out
+// in pairs of dimensions ([head_dim / 2][keys][2]: a lane's pair is one key's two dimensions) and V in pairs of
+// keys ([keys / 2][head_dim][2]); the softmax weights are rounded to bf16 pairs for the V pass, as transformers'
+// bf16 attention rounds them before its matmul. Sums stay float32. A key the tile's rows do not all see (the
+// tile's own later keys, and an odd last shared key) takes causal_tile's float32 path, one row at a time, so a
+// later token's inf or NaN never meets a zero weight.
+static inline uint32_t bf16_pair(float lo, float hi) {
+    return static_cast<uint32_t>(from_float<bf16>(lo)) | (static_cast<uint32_t>(from_float<bf16>(hi)) << 16);
+}
+
+static void causal_tile_dot(const bf16* __restrict query, const bf16* __restrict kt2, const bf16* __restrict v2,
+                            const bf16* __restrict value, bf16* __restrict out, int64_t first_row, int64_t num_rows,
+                            int64_t head, int64_t kv_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t keys_stride, float scale, float* __restrict scores, uint32_t* __restrict weights) {
+    const int64_t num_keys = first_row + num_rows;
+    const int64_t padded_keys = (num_keys + KEY_VEC - 1) / KEY_VEC * KEY_VEC;
+    const int64_t half = head_dim / 2;
+    uint32_t q[CAUSAL_ROWS][128];  // each row's query as pairs of bf16 (head_dim <= 256)
+    for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
+        for (int64_t i = 0; i < half; ++i) {
+            uint32_t pair = 0;
+            if (r < num_rows) std::memcpy(&pair, query + ((first_row + r) * num_heads + head) * head_dim + 2 * i, 4);
+            q[r][i] = pair;
+        }
+    const vecf scale_v = vecf{} + scale;
+    for (int64_t j0 = 0; j0 < padded_keys; j0 += KEY_VEC) {
+        __m512 acc[CAUSAL_ROWS];
+        for (int64_t r = 0; r < CAUSAL_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < half; ++i) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(kt2 + (i * keys_stride + j0) * 2);
+#pragma GCC unroll 8
+            for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][i])), k);
+        }
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < CAUSAL_ROWS; ++r) storev(scores + r * padded_keys + j0, (vecf)acc[r] * scale_v);
+    }
+    float inv_sum[CAUSAL_ROWS];
+    for (int64_t r = 0; r < num_rows; ++r) {
+        float* __restrict s = scores + r * padded_keys;
+        const int64_t visible = first_row + r + 1;
+        inv_sum[r] = 1.f / exp_in_place(s, visible);
+        for (int64_t j = visible; j < num_keys; ++j) s[j] = 0.f;
+    }
+    for (int64_t r = num_rows; r < CAUSAL_ROWS; ++r) {
+        std::fill_n(scores + r * padded_keys, num_keys, 0.f);
+        inv_sum[r] = 0.f;
+    }
+    const int64_t shared_pairs = (first_row + 1) / 2;  // pairs of keys every row of the tile sees
+    const int64_t pairs_stride = (keys_stride + 1) / 2;
+    for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
+        for (int64_t jp = 0; jp < shared_pairs; ++jp)
+            weights[r * pairs_stride + jp] = bf16_pair(scores[r * padded_keys + 2 * jp], scores[r * padded_keys + 2 * jp + 1]);
+    const int64_t v_stride = num_kv_heads * head_dim;
+    const bf16* v_head = value + kv_head * head_dim;
+    for (int64_t c0 = 0; c0 < head_dim; c0 += COL_VECS * KEY_VEC) {
+        __m512 a[CAUSAL_ROWS][COL_VECS];
+        for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
+            for (int c = 0; c < COL_VECS; ++c) a[r][c] = _mm512_setzero_ps();
+        for (int64_t jp = 0; jp < shared_pairs; ++jp) {
+            __m512bh v[COL_VECS];
+            for (int c = 0; c < COL_VECS; ++c)
+                v[c] = (__m512bh)_mm512_loadu_si512(v2 + (jp * head_dim + c0 + c * KEY_VEC) * 2);
+#pragma GCC unroll 8
+            for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r * pairs_stride + jp]));
+                for (int c = 0; c < COL_VECS; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], w, v[c]);
+            }
+        }
+        // the keys after the shared pairs, each only for the rows that see it (float32, the weights unrounded)
+        for (int64_t j = 2 * shared_pairs; j < num_keys; ++j) {
+            vecf v[COL_VECS];
+            for (int c = 0; c < COL_VECS; ++c) v[c] = loadv(v_head + j * v_stride + c0 + c * KEY_VEC);
+            for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
+                if (first_row + r < j || r >= num_rows) continue;
+                const float p = scores[r * padded_keys + j];
+                for (int c = 0; c < COL_VECS; ++c) a[r][c] = (__m512)((vecf)a[r][c] + p * v[c]);
+            }
+        }
+        for (int64_t r = 0; r < num_rows; ++r) {
+            bf16* __restrict dst = out + ((first_row + r) * num_heads + head) * head_dim + c0;
+            for (int c = 0; c < COL_VECS; ++c) storev(dst + c * KEY_VEC, (vecf)a[r][c] * inv_sum[r]);
+        }
+    }
+}
+
+// causal_attention for bf16 on the dot-product instructions: K and V re-laid in pairs once per call.
+static void causal_attention_dot(const bf16* query, const bf16* key, const bf16* value, bf16* out,
+                                 int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t keys_stride = (num_tokens + KEY_VEC - 1) / KEY_VEC * KEY_VEC;
+    const int64_t pairs = (num_tokens + 1) / 2;
+    std::vector<bf16> kt2(num_kv_heads * head_dim * keys_stride, 0);  // [kv head][head_dim / 2][keys][2]
+    std::vector<bf16> v2(num_kv_heads * pairs * head_dim * 2, 0);      // [kv head][keys / 2][head_dim][2]
+#pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * num_kv_heads * head_dim))
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int64_t t = 0; t < num_tokens; ++t)
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const int64_t src = (t * num_kv_heads + h) * head_dim + d;
+                kt2[((h * (head_dim / 2) + d / 2) * keys_stride + t) * 2 + d % 2] = key[src];
+                v2[((h * pairs + t / 2) * head_dim + d) * 2 + t % 2] = value[src];
+            }
+    const int64_t num_tiles = (num_tokens + CAUSAL_ROWS - 1) / CAUSAL_ROWS;
+    const int64_t num_tasks = num_heads * num_tiles;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scores(CAUSAL_ROWS * keys_stride);
+        std::vector<uint32_t> weights(CAUSAL_ROWS * ((keys_stride + 1) / 2));
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = num_tasks - 1; task >= 0; --task) {  // the heaviest tiles (the last rows) first
+            const int64_t head = task % num_heads, tile = task / num_heads;
+            const int64_t first_row = tile * CAUSAL_ROWS;
+            const int64_t rows = std::min(CAUSAL_ROWS, num_tokens - first_row);
+            const int64_t kv_head = head / group;
+            causal_tile_dot(query, kt2.data() + kv_head * head_dim * keys_stride,
+                            v2.data() + kv_head * pairs * head_dim * 2, value, out, first_row, rows, head, kv_head,
+                            num_heads, num_kv_heads, head_dim, keys_stride, scale, scores.data(), weights.data());
+        }
+    }
+}
+#endif
+
 template <class T>
 static void causal_attention(const T* query, const T* key, const T* value, T* out, int64_t num_tokens,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
     if (num_tokens <= 0 || head_dim <= 0 || head_dim > 256 || head_dim % 32 != 0) return;
+#if INFLIGHT_BF16_DOT
+    if constexpr (sizeof(T) == sizeof(bf16)) {
+        causal_attention_dot(query, key, value, out, num_tokens, num_heads, num_kv_heads, head_dim, scale, num_threads);
+        return;
+    }
+#endif
     const int64_t group = num_heads / num_kv_heads;
     const int64_t keys_stride = (num_tokens + KEY_VEC - 1) / KEY_VEC * KEY_VEC;
     std::vector<float> kt(num_kv_heads * head_dim * keys_stride, 0.f);  // [kv head, head_dim, keys], zero tail
@@ -658,6 +846,9 @@ extern "C" {
 // The most rows ``linear_*`` should take: 0 without FMA instructions (software FMA is ~60x slower, and oneDNN
 // multiplies and adds apart there, so the bits would differ too).
 int linear_max_rows() { return INFLIGHT_HARDWARE_FMA ? LINEAR_MAX_ROWS : 0; }
+
+// 1 when the bf16 kernels use AVX-512 BF16's dot products (causal attention), 0 when they widen to float32.
+int bf16_dot_products() { return INFLIGHT_BF16_DOT; }
 
 // Each kernel for both storage types: NAME_f32 on float, NAME_bf16 on bfloat16 (kernels/cpu_kernels.py's
 // signatures; cos and sin stay float32 in both).
