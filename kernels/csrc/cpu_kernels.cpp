@@ -220,6 +220,10 @@ static inline __attribute__((always_inline)) vecf sum_each(const vecf* v) {
 // heads): 0.58 ms as plain loops (dot products summed one key at a time, accumulators in memory) against 0.44 on
 // vectors on the Sapphire Rapids VM; 0.26 against 0.20 on the Zen 3 VM.
 #if INFLIGHT_BF16_DOT
+static inline uint32_t bf16_pair(float lo, float hi) {
+    return static_cast<uint32_t>(from_float<bf16>(lo)) | (static_cast<uint32_t>(from_float<bf16>(hi)) << 16);
+}
+
 // Pass 1 of decode_task in bf16 on dot products: scores[g, t] = scale * q_g . k_t, 32 dimensions of a key per
 // vdpbf16ps (half the instructions of widening and fusing multiply-adds), then summed as sum_each sums VL keys.
 // head_dim a multiple of 32.
@@ -258,6 +262,61 @@ static void decode_scores_dot(const bf16* __restrict query, const bf16* __restri
         }
     }
 }
+
+// Pass 3 of decode_task in bf16 on dot products: out_g = inv_sum_g * sum_t p[g, t] v_t, two keys per vdpbf16ps.
+// The weights are rounded to bf16 pairs (as transformers' bf16 attention rounds them before its matmul); two
+// rows of V are interleaved into pairs with unpacklo/hi (which scrambles the dimensions within 32: undone once
+// at the end). A block's odd last key pairs with a zero. Query heads in chunks whose accumulators fit registers.
+template <int HEAD_DIM>
+static void decode_values_dot(const float* __restrict scores, const bf16* __restrict v_head,
+                              const int64_t* __restrict table, int64_t seq_len, int64_t group,
+                              int64_t runtime_head_dim, int64_t block_size, const float* __restrict inv_sum,
+                              bf16* __restrict out) {
+    const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+    const int W = static_cast<int>(head_dim / 32);
+    constexpr int W_MAX = (HEAD_DIM > 0 ? HEAD_DIM : 256) / 32;
+    constexpr int G_CHUNK = HEAD_DIM > 0 && HEAD_DIM <= 64 ? 4 : (HEAD_DIM == 128 ? 2 : 1);
+    const int64_t block_values = block_size * head_dim;
+    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t g0 = 0; g0 < group; g0 += G_CHUNK) {
+        const int64_t gs = std::min<int64_t>(G_CHUNK, group - g0);
+        __m512 a[G_CHUNK][2 * W_MAX];
+        for (int g = 0; g < G_CHUNK; ++g)
+            for (int c = 0; c < 2 * W; ++c) a[g][c] = _mm512_setzero_ps();
+        for (int64_t first = 0; first < seq_len; first += block_size) {
+            const bf16* __restrict v = v_head + table[first / block_size] * block_values;
+            const int64_t n = std::min(block_size, seq_len - first);
+            if (first + block_size < seq_len) prefetch_block(v_head + table[first / block_size + 1] * block_values, block_values);
+            for (int64_t j = 0; j < n; j += 2) {
+                const bool pair = j + 1 < n;
+                __m512i lo[W_MAX], hi[W_MAX];
+                for (int c = 0; c < W; ++c) {
+                    const __m512i x = _mm512_loadu_si512(v + j * head_dim + c * 32);
+                    const __m512i y = pair ? _mm512_loadu_si512(v + (j + 1) * head_dim + c * 32) : _mm512_setzero_si512();
+                    lo[c] = _mm512_unpacklo_epi16(x, y);
+                    hi[c] = _mm512_unpackhi_epi16(x, y);
+                }
+                for (int64_t g = 0; g < gs; ++g) {
+                    const float* p = scores + (g0 + g) * seq_len + first + j;
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(bf16_pair(p[0], pair ? p[1] : 0.f)));
+                    for (int c = 0; c < W; ++c) {
+                        a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], w, (__m512bh)lo[c]);
+                        a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], w, (__m512bh)hi[c]);
+                    }
+                }
+            }
+        }
+        for (int64_t g = 0; g < gs; ++g) {
+            const vecf norm = vecf{} + inv_sum[g0 + g];
+            for (int c = 0; c < W; ++c) {
+                bf16* dst = out + (g0 + g) * head_dim + c * 32;
+                storev(dst, (vecf)_mm512_permutex2var_ps(a[g][2 * c], first16, a[g][2 * c + 1]) * norm);
+                storev(dst + 16, (vecf)_mm512_permutex2var_ps(a[g][2 * c], second16, a[g][2 * c + 1]) * norm);
+            }
+        }
+    }
+}
 #endif
 
 template <int HEAD_DIM, class T>
@@ -274,7 +333,7 @@ static void decode_task(const T* __restrict query, const T* __restrict k_head,
     // from memory once (from L1 for the group's other heads): with the heads outside the walk, a group of 2 read
     // the cache twice and took 2.6x as long on a Zen 3 VM with slow scattered reads. Until pass 3, ``acc`` holds
     // the scaled queries.
-    bool scored = false;
+    bool scored = false;  // on dot products (bf16): then pass 3 too
 #if INFLIGHT_BF16_DOT
     if constexpr (sizeof(T) == sizeof(bf16)) {
         if (head_dim % 32 == 0) {
@@ -313,6 +372,14 @@ static void decode_task(const T* __restrict query, const T* __restrict k_head,
     // pass 2: softmax per query head (normalised at the end)
     float inv_sum[64];
     for (int64_t g = 0; g < group; ++g) inv_sum[g] = 1.f / exp_in_place(scores + g * seq_len, seq_len);
+#if INFLIGHT_BF16_DOT
+    if constexpr (sizeof(T) == sizeof(bf16)) {
+        if (scored) {
+            decode_values_dot<HEAD_DIM>(scores, v_head, table, seq_len, group, head_dim, block_size, inv_sum, out);
+            return;
+        }
+    }
+#endif
     // pass 3: out_g = sum_t p[g, t] v_t, a block of V at a time for every query head of the group
     std::fill_n(acc, group * head_dim, 0.f);
     for (int64_t first = 0; first < seq_len; first += block_size) {
@@ -521,10 +588,6 @@ static __attribute__((noinline)) void linear_block(const T* x, const T* w, const
 // bf16 attention rounds them before its matmul. Sums stay float32. A key the tile's rows do not all see (the
 // tile's own later keys, and an odd last shared key) takes causal_tile's float32 path, one row at a time, so a
 // later token's inf or NaN never meets a zero weight.
-static inline uint32_t bf16_pair(float lo, float hi) {
-    return static_cast<uint32_t>(from_float<bf16>(lo)) | (static_cast<uint32_t>(from_float<bf16>(hi)) << 16);
-}
-
 static void causal_tile_dot(const bf16* __restrict query, const bf16* __restrict kt2, const bf16* __restrict v2,
                             const bf16* __restrict value, bf16* __restrict out, int64_t first_row, int64_t num_rows,
                             int64_t head, int64_t kv_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
