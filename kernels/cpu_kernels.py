@@ -116,6 +116,7 @@ def load() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = argtypes, None
     lib.linear_max_rows.argtypes, lib.linear_max_rows.restype = [], i32
     lib.bf16_dot_products.argtypes, lib.bf16_dot_products.restype = [], i32
+    lib.linear_pairs_bf16.argtypes, lib.linear_pairs_bf16.restype = signatures["linear"], None
     return lib
 
 
@@ -316,4 +317,37 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     out = torch.empty((num_rows, out_features), dtype=x.dtype)
     kernel(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
                       num_rows, out_features, k, x.stride(0), torch.get_num_threads())
+    return out
+
+
+PAIR_COLS = 16  # output columns per block of a pair-packed weight (the kernel's)
+
+
+def pack_linear_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] bfloat16 in ``linear_pairs``' layout: [ceil(out / 16), ceil(in / 2), 16, 2], each
+    16 columns' weights for two consecutive inputs side by side, zero past ``out`` and ``in``."""
+    assert weight.dtype is torch.bfloat16 and weight.is_cpu, "pack_linear_pairs takes a bfloat16 CPU weight"
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, k % 2, 0, -n % PAIR_COLS))
+    return padded.reshape(-1, PAIR_COLS, (k + 1) // 2, 2).transpose(1, 2).contiguous()
+
+
+def linear_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x`` [rows, in] bfloat16 times the weight ``pack_linear_pairs`` packed, plus ``bias``: [rows, out] bfloat16,
+    on AVX-512 BF16's dot products (only where ``bf16_dot_products()``): products and sums in float32, rounded once.
+    """
+    assert bf16_dot_products(), "linear_pairs needs a build with AVX-512 BF16 (bf16_dot_products())"
+    kernel = _lib().linear_pairs_bf16
+    _kernel("linear", x, packed)  # (the checks: CPU bfloat16)
+    assert x.dtype is torch.bfloat16, "linear_pairs takes bfloat16"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert packed.shape[1] == (x.shape[1] + 1) // 2 and packed.shape[2:] == (PAIR_COLS, 2), "x's width: the packed in"
+    assert 0 < out_features <= packed.shape[0] * PAIR_COLS, "out_features: more than the packed weight holds"
+    if bias is not None:
+        assert bias.dtype is x.dtype and bias.is_cpu and bias.shape == (out_features,) and bias.is_contiguous()
+    num_rows, k = x.shape
+    out = torch.empty((num_rows, out_features), dtype=x.dtype)
+    kernel(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+           num_rows, out_features, k, x.stride(0), torch.get_num_threads())
     return out

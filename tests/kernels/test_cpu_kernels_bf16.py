@@ -171,3 +171,39 @@ def test_mixed_dtypes_are_refused():
         cpu_kernels.silu_and_mul(torch.ones(1, 4, dtype=torch.float16))
     with pytest.raises(AssertionError, match="one dtype"):
         cpu_kernels.rms_norm(torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(4), 1e-5)
+
+
+needs_dot = pytest.mark.skipif(not cpu_kernels.bf16_dot_products(),
+                               reason="the kernels' build here has no AVX-512 BF16 dot products")
+
+
+@needs_dot
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (1536, 576), (63, 100), (65, 17)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_on_dot_products_is_the_matmul(rows, in_features, out_features, with_bias):
+    """Odd inputs (the last pairs with zero), outputs that fill no whole block of 16 or pair of blocks, a bias, and
+    rows in groups of 8 and the rest: the float32 sum of the bfloat16 products, rounded once."""
+    weight = bf16(randn(out_features, in_features, seed=20, scale=0.05))
+    wide = bf16(randn(rows, in_features + 3, seed=21))
+    x = wide[:, 1:in_features + 1]  # a row stride wider than the row
+    bias = bf16(randn(out_features, seed=22)) if with_bias else None
+    got = cpu_kernels.linear_pairs(x, cpu_kernels.pack_linear_pairs(weight), bias, out_features)
+    exact = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), exact, atol=2e-3 * in_features ** 0.5, rtol=2 ** -7)
+    # and oneDNN's bf16 matmul, which multiplies the same way, agrees to a unit in the last place
+    onednn = torch.ops.mkldnn._linear_pointwise(x.contiguous(), torch.ops.mkldnn._reorder_linear_weight(weight, 64),
+                                                bias, "none", [], "")
+    apart = (got.view(torch.int16).int() - onednn.view(torch.int16).int()).abs()
+    assert (apart <= 1).float().mean() > 0.99
+
+
+@needs_dot
+def test_linear_on_dot_products_reads_no_input_past_a_row():
+    """An odd width: the last input pairs with zero, not with the next row's first input (NaN here)."""
+    x = torch.full((2, 6), float("nan"), dtype=torch.bfloat16)
+    x[0, :5] = 1.0
+    got = cpu_kernels.linear_pairs(x[:, :5], cpu_kernels.pack_linear_pairs(torch.ones(3, 5, dtype=torch.bfloat16)),
+                                   None, 3)
+    assert got[0].tolist() == [5.0, 5.0, 5.0] and got[1].isnan().all()
