@@ -85,42 +85,49 @@ METRICS = ("completed", "failed", "output_throughput", "mean_e2el_ms", "median_e
 ONE_THREAD_MAX_TOKENS = 4
 
 
-def bench_config(checkpoint: Path | str, num_threads: int | None = None, served_name: str = MODEL_NAME) -> str:
+def bench_config(checkpoint: Path | str, num_threads: int | None = None, served_name: str = MODEL_NAME,
+                 dtype: str | None = None) -> str:
     """configs/bench-vs-vllm.yaml for ``checkpoint`` (what our engine loads: a path or a packaged model's name)
-    served as ``served_name``; with ``num_threads``, its engine computes with that many threads on no CPUs of its
+    served as ``served_name`` (in ``dtype``, when given: else the file's float32); with ``num_threads``, its engine computes with that many threads on no CPUs of its
     own (no ``engine_cpus``: Ray's processes share every CPU with it), but for steps of at most
     ``ONE_THREAD_MAX_TOKENS`` tokens (a decode of a few streams), which run on one."""
     text = ((ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint))
             .replace("@SERVED_MODEL_NAME@", served_name))
-    if num_threads is None:
+    if num_threads is None and dtype is None:
         return text
     config = yaml.safe_load(text)
     app = config["applications"][0]["args"]
+    if dtype is not None:
+        app["engine_args"]["dtype"] = dtype
+    if num_threads is None:
+        return yaml.safe_dump(config, sort_keys=False)
     app["engine_args"]["num_threads"] = num_threads
     app["engine_args"]["one_thread_max_tokens"] = ONE_THREAD_MAX_TOKENS
     del app["engine_cpus"]
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def start_ours(model: BenchModel, log, num_threads: int | None = None) -> subprocess.Popen:
+def start_ours(model: BenchModel, log, num_threads: int | None = None, dtype: str | None = None) -> subprocess.Popen:
     config = Path(tempfile.mkstemp(prefix="bench-vs-vllm-", suffix=".yaml")[1])
-    config.write_text(bench_config(model.engine_model, num_threads, model.served_name))
+    config.write_text(bench_config(model.engine_model, num_threads, model.served_name, dtype))
     # serve.sh sets Serve's environment as make run does (serve_app.ray_env --local) and RAY_AUTH_MODE
     return subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), str(config)], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_vllm(peer_python: str, threads_bind: str, isolated: bool, log, model: BenchModel) -> subprocess.Popen:
+def start_vllm(peer_python: str, threads_bind: str, isolated: bool, log, model: BenchModel,
+               dtype: str = "float32") -> subprocess.Popen:
     """vLLM's server on ``model``'s Hugging Face directory under its served name, its compute threads bound by
     ``threads_bind``; ``isolated``: as ours runs, its compute thread on the engine's CPU and everything else (its
     API server, its engine process's other threads) on the other CPUs."""
-    return subprocess.Popen(vllm_server_argv(peer_python, threads_bind, isolated, model), cwd=ROOT, stdout=log,
+    return subprocess.Popen(vllm_server_argv(peer_python, threads_bind, isolated, model, dtype), cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True, env=with_peer_preload(peer_python))
 
 
-def vllm_server_argv(peer_python: str, threads_bind: str, isolated: bool, model: BenchModel) -> list[str]:
+def vllm_server_argv(peer_python: str, threads_bind: str, isolated: bool, model: BenchModel,
+                     dtype: str = "float32") -> list[str]:
     argv = [peer_python, str(PEERS / "vllm_serve.py"), "--model", str(model.hf_dir()),
-            "--served-model-name", model.served_name,
+            "--served-model-name", model.served_name, "--dtype", dtype,
             "--threads-bind", str(ENGINE_CPU) if isolated else threads_bind]
     return ["taskset", "-c", other_cpus(), *argv] if isolated else argv
 
@@ -188,10 +195,10 @@ def load_average() -> float:
 def one_turn(system: str, args, peer_python: str, model: BenchModel, workdir: Path, round_index: int) -> dict:
     log = open(workdir / f"{system}-{round_index}.log", "w")
     if system.startswith("ours"):
-        server = start_ours(model, log, len(all_cpus()) if system == "ours-all-cpus" else None)
+        server = start_ours(model, log, len(all_cpus()) if system == "ours-all-cpus" else None, args.dtype)
     else:
         threads_bind = format_cpu_list(all_cpus()) if system == "vllm-all-cpus" else args.vllm_threads_bind
-        server = start_vllm(peer_python, threads_bind, system == "vllm-isolated", log, model)
+        server = start_vllm(peer_python, threads_bind, system == "vllm-isolated", log, model, args.dtype)
     port = PORTS[system]
     try:
         wait_ready(port, server)
@@ -254,6 +261,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     add_model_arg(parser, what=" both servers serve (vLLM: its Hugging Face directory, a GGUF file's export)")
     parser.add_argument("--cache-dir", default=None, help="where the benchmark checkpoint and GGUF exports are built")
     add_sampling_args(parser)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="both servers' dtype; auto: what our engine picks for the model here (resolved once)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     check_sampling_args(parser, args)
@@ -262,6 +271,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
         parser.error(f"--systems: choose from {sorted(PORTS)}")
     args.systems = systems
     args.bench_model = model_from_args(parser, args)
+    args.dtype = args.bench_model.run_dtype(args.dtype)
     return parser, args
 
 

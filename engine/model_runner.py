@@ -113,17 +113,18 @@ def _resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device
     if device.type != "cpu":  # on a GPU, the checkpoint's half precision
         half = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
         return getattr(torch, half), f"auto: the checkpoint's {checkpoint_dtype or 'unstated'} dtype on a GPU"
-    # On a CPU, bfloat16 where it runs on the CPU's own bfloat16 units (AVX-512 BF16, AMX): half the bytes a
-    # memory-bound step reads, and matmuls on those units; and only for a checkpoint published in half precision
-    # (a float32 checkpoint keeps its precision). Elsewhere bfloat16 is emulated in float32: slower than float32.
+    # On a CPU, float32 for now. bfloat16 runs ~1.7x faster where the CPU has bfloat16 units (AVX-512 BF16, AMX),
+    # but its rounding (a bf16 residual stream, as transformers keeps it) moves the real model's logits by ~0.15,
+    # and asked for France's capital it answers "L'Étoile, ..." where float32 and transformers' bf16 say "The
+    # capital of France is Paris." (a near-tie: 0.08 apart in float32). Until the bf16 path keeps its residual
+    # stream in float32, bfloat16 is asked for (dtype="bfloat16"), and the log says where it would pay.
     from kernels.cpu_kernels import bf16_hardware
 
     hardware = bf16_hardware()
     if checkpoint_dtype in ("bfloat16", "float16") and hardware is not None:
-        return torch.bfloat16, f"auto: a {checkpoint_dtype} checkpoint, and this CPU has {hardware}"
-    if hardware is None:
-        return torch.float32, "auto: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16)"
-    return torch.float32, f"auto: the checkpoint is {checkpoint_dtype or 'of unstated dtype'}, kept as it is"
+        return torch.float32, (f"auto; this CPU has {hardware}: dtype='bfloat16' runs faster, and parts from "
+                               f"float32 at near-ties")
+    return torch.float32, "auto"
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ def load() -> ctypes.CDLL | None:
     lib.linear_max_rows.argtypes, lib.linear_max_rows.restype = [], i32
     lib.bf16_dot_products.argtypes, lib.bf16_dot_products.restype = [], i32
     lib.linear_pairs_bf16.argtypes, lib.linear_pairs_bf16.restype = signatures["linear"], None
+    lib.linear_pairs_bf16_f32.argtypes, lib.linear_pairs_bf16_f32.restype = signatures["linear"], None
     return lib
 
 
@@ -163,9 +164,10 @@ def _check_index(*tensors: torch.Tensor) -> None:
 
 
 def bf16_dot_products() -> bool:
-    """Whether this build's bfloat16 attention runs on AVX-512 BF16's dot products (decode: the scores, for heads
-    of a multiple of 32; causal: scores and V pass, its softmax weights rounded to bfloat16 as transformers' bf16
-    attention rounds them) rather than widening to float32 (the float32 kernel's result, rounded once)."""
+    """Whether this build's bfloat16 attention runs on AVX-512 BF16's dot products (heads of a multiple of 32;
+    causal: the scores; decode: the scores and the V pass, its softmax weights rounded to bfloat16 as transformers'
+    bf16 attention rounds them) rather than widening to float32 (the float32 kernel's result, rounded once); and
+    whether ``linear_pairs`` runs."""
     lib = load()
     return bool(lib is not None and lib.bf16_dot_products())
 
@@ -332,12 +334,14 @@ def pack_linear_pairs(weight: torch.Tensor) -> torch.Tensor:
     return padded.reshape(-1, PAIR_COLS, (k + 1) // 2, 2).transpose(1, 2).contiguous()
 
 
-def linear_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x`` [rows, in] bfloat16 times the weight ``pack_linear_pairs`` packed, plus ``bias``: [rows, out] bfloat16,
-    on AVX-512 BF16's dot products (only where ``bf16_dot_products()``): products and sums in float32, rounded once.
-    """
+def linear_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x`` [rows, in] bfloat16 times the weight ``pack_linear_pairs`` packed, plus ``bias``: [rows, out]
+    ``out_dtype`` (bfloat16: rounded once; float32: the sums as they are), on AVX-512 BF16's dot products (only where
+    ``bf16_dot_products()``): products and sums in float32."""
     assert bf16_dot_products(), "linear_pairs needs a build with AVX-512 BF16 (bf16_dot_products())"
-    kernel = _lib().linear_pairs_bf16
+    assert out_dtype in (torch.bfloat16, torch.float32), "out_dtype: bfloat16 or float32"
+    kernel = _lib().linear_pairs_bf16 if out_dtype is torch.bfloat16 else _lib().linear_pairs_bf16_f32
     _kernel("linear", x, packed)  # (the checks: CPU bfloat16)
     assert x.dtype is torch.bfloat16, "linear_pairs takes bfloat16"
     if x.stride(1) != 1:
@@ -347,7 +351,7 @@ def linear_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     if bias is not None:
         assert bias.dtype is x.dtype and bias.is_cpu and bias.shape == (out_features,) and bias.is_contiguous()
     num_rows, k = x.shape
-    out = torch.empty((num_rows, out_features), dtype=x.dtype)
+    out = torch.empty((num_rows, out_features), dtype=out_dtype)
     kernel(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
            num_rows, out_features, k, x.stride(0), torch.get_num_threads())
     return out

@@ -147,8 +147,13 @@ class TorchPagedAttention(AttentionBackend):
             k = _gather_context(k_cache, row.blocks, row.seq_len)  # [num_kv_heads, seq_len, head_dim]
             v = _gather_context(v_cache, row.blocks, row.seq_len)
             q = q.reshape(num_kv_heads, num_heads // num_kv_heads, q_len, -1)  # query heads grouped by kv head
+            if q.dtype != torch.float32 and q.device.type == "cpu":
+                # In float32, as the CPU kernels attend (a fresh prompt's, a decode row's): bf16 matmuls round each
+                # score to bf16, and a prompt found in the prefix cache then got another first token than the same
+                # prompt computed whole, at a near-tie (the real model asked for France's capital).
+                q, k, v = q.float(), k.float(), v.float()
             o = _causal_attention(q, k, v, row.seq_len - q_len, scale, metadata.causal_tile)
-            out[row.token_start:row.token_end] = o.reshape(num_heads, q_len, -1).transpose(0, 1)
+            out[row.token_start:row.token_end] = o.reshape(num_heads, q_len, -1).transpose(0, 1).to(out.dtype)
         return out
 
     def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:

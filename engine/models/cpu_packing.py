@@ -21,15 +21,17 @@ copies are laid out to be read in order:
 The plain weight stays the module's parameter (loading, tied embeddings); the two packed copies cost the linear
 weights' memory twice more, which is why this is a CPU pass and not the default elsewhere.
 
-In bfloat16 (where the CPU has bfloat16 instructions, ``engine.model_runner.resolve_dtype``), up to 16 rows go to
+In bfloat16 (where the CPU has bfloat16 instructions, ``engine.model_runner.resolve_dtype``), every row count goes to
 ``cpu_kernels.linear_pairs`` where the kernels' build has AVX-512 BF16 (a weight packed in pairs of inputs, one
-vdpbf16ps per pair), and everything else to oneDNN's packed bf16 matmul. Widening bf16 to float32 in
-``cpu_kernels.linear`` lost to oneDNN at every row count but one (Zen 4, 2 threads, 2026-12-06: 576 x 3,072 at 8
-rows 211 against 121 us, at 16 rows 531 against 215), so it takes no bf16 matmul; the dot-product kernel beat
-oneDNN on each of the model's layer linears at 1-16 rows (576 x 3,072: 34 against 52 us at 1 row, 149 against 160
-at 16; 1,536 x 576: 22 against 34, 79 against 95), but not on the 49,152-wide LM head above one row, which keeps
-oneDNN there. Both sum in float32 and round once, so a row's bf16 bits barely depend on its batch's size; not
-exactly (as in every bf16 engine): only float32 keeps oneDNN's bits.
+vdpbf16ps per pair; no oneDNN copy, no padding), else to oneDNN's packed bf16 matmul. One path for every batch
+size keeps a row's bits independent of its batch, as float32 does: with the kernel for decode-sized batches and
+oneDNN above, a prompt found in the prefix cache (its last tokens computed as a small chunk) got another first
+token than the same prompt computed whole, at a near-tie of the real model. It costs nothing: the dot-product
+kernel beat oneDNN on the model's layer linears at 1-16 rows (Zen 4, 2 threads, 2026-12-06: 576 x 3,072, 34
+against 52 us at 1 row, 149 against 160 at 16; 1,536 x 576: 22 against 34, 79 against 95) and ran level with it at
+32-512 rows (355-414 against 225-419 GFLOP/s); only the 49,152-wide LM head at 4-8 rows was ~10% slower. Widening
+bf16 to float32 in ``cpu_kernels.linear`` lost to oneDNN at every row count but one (576 x 3,072 at 8 rows 211
+against 121 us, at 16 rows 531 against 215), so it takes no bf16 matmul.
 
 oneDNN keeps a primitive (JIT code and buffers) for every row count it has seen, about 0.6 MB each here and
 never given back: with prompts of every length, an engine's memory grew by ~700 MB over its first few
@@ -56,7 +58,7 @@ EXACT_ROWS = 16  # row counts up to this are used as they are (decode batches); 
 # 8-lane vectors, 0 without FMA instructions: cpu_kernels.linear_max_rows). benchmarks.decode_steps sets it.
 KERNEL_ROWS: int | None = None
 EXACT_KERNEL_IN_FEATURES = 1024  # where cpu_kernels.linear sums as oneDNN's matmul does at every row count
-WIDE_OUT_FEATURES = 8192  # a bf16 linear wider than this (an LM head) takes cpu_kernels.linear_pairs for one row only
+EVERY_ROW = 1 << 62  # kernel_rows of a linear the kernel takes at every row count
 
 
 def packing_available() -> bool:
@@ -94,6 +96,13 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
+def _float32_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The bf16 linear's sums unrounded, as float32 (the LM head's logits: ``CausalLM.compute_logits``)."""
+    if x.dim() == 2 and x.shape[0]:
+        return cpu_kernels.linear_pairs(x, self.kernel_weight, self.bias, self.out_features, torch.float32)
+    return F.linear(x, self.weight, self.bias).float()
+
+
 @torch.no_grad()
 def pack_linear_weights(model: nn.Module, expected_rows: int = 64) -> int:
     """Give every float32 or bfloat16 ``nn.Linear`` of ``model`` packed copies of its weight (oneDNN's, and the kernel's when
@@ -102,27 +111,30 @@ def pack_linear_weights(model: nn.Module, expected_rows: int = 64) -> int:
     if not packing_available():
         return 0
     max_rows = kernel_rows()
-    count = 0
+    count, onednn = 0, False
     for module in model.modules():
         if (isinstance(module, nn.Linear) and module.weight.dtype in cpu_kernels.DTYPES
                 and module.weight.device.type == "cpu"):
+            count += 1
+            module.forward = types.MethodType(_packed_forward, module)
+            if module.weight.dtype == torch.bfloat16 and cpu_kernels.bf16_dot_products():  # see above
+                module.kernel_rows = EVERY_ROW
+                module.kernel_weight = cpu_kernels.pack_linear_pairs(module.weight)
+                module.float32_forward = types.MethodType(_float32_forward, module)
+                continue
+            onednn = True
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), expected_rows)
             # oneDNN's sums, bit for bit (one thread): at every row count up to 1,024 inputs, above only a lone row's
-            if module.weight.dtype != torch.float32:  # see above
-                module.kernel_rows = 0 if not cpu_kernels.bf16_dot_products() else (
-                    16 if module.out_features <= WIDE_OUT_FEATURES else 1)
+            if module.weight.dtype != torch.float32:  # bf16 without the dot-product kernel: oneDNN (see above)
+                module.kernel_rows = 0
             elif module.out_features < 2:  # a single output oneDNN sums another way
                 module.kernel_rows = 0
             elif module.in_features <= EXACT_KERNEL_IN_FEATURES:
                 module.kernel_rows = max_rows
             else:
                 module.kernel_rows = min(max_rows, 1)
-            if module.kernel_rows and module.weight.dtype == torch.bfloat16:
-                module.kernel_weight = cpu_kernels.pack_linear_pairs(module.weight)
-            elif module.kernel_rows:
+            if module.kernel_rows:
                 module.kernel_weight = cpu_kernels.pack_linear(module.weight)
-            module.forward = types.MethodType(_packed_forward, module)
-            count += 1
-    if count and hasattr(model, "row_padding"):
+    if onednn and hasattr(model, "row_padding"):  # (the kernels keep no state per row count: no padding for them)
         model.row_padding = padded_rows  # pad a forward's tokens once, not at each of its linears
     return count

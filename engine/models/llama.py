@@ -195,4 +195,9 @@ class CausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()  # [num_rows, vocab]
+        """[num_rows, vocab] float32. A half-precision LM head that can give its sums unrounded does
+        (``engine.models.cpu_packing``): bf16 logits are an eighth apart near 25, so candidates a few hundredths
+        apart tie, and which wins then depends on the path that computed them."""
+        normed = self.model.norm(hidden)
+        exact = getattr(self.lm_head, "float32_forward", None)
+        return exact(normed) if exact is not None else self.lm_head(normed).float()

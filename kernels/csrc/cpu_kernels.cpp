@@ -581,17 +581,13 @@ static __attribute__((noinline)) void linear_block(const T* x, const T* w, const
 // contiguous. Token t attends to tokens 0..t. head_dim a multiple of 32 up to 256 (the caller checks: other
 // sizes return without writing); num_heads a multiple of num_kv_heads.
 #if INFLIGHT_BF16_DOT
-// bf16 causal attention on AVX-512 BF16's dot products (vdpbf16ps: two bf16 products and a float32 sum per lane),
-// half the instructions of widening to float32 and fusing multiply-adds. The tile of causal_tile, with K laid out
-// in pairs of dimensions ([head_dim / 2][keys][2]: a lane's pair is one key's two dimensions) and V in pairs of
-// keys ([keys / 2][head_dim][2]); the softmax weights are rounded to bf16 pairs for the V pass, as transformers'
-// bf16 attention rounds them before its matmul. Sums stay float32. A key the tile's rows do not all see (the
-// tile's own later keys, and an odd last shared key) takes causal_tile's float32 path, one row at a time, so a
-// later token's inf or NaN never meets a zero weight.
-static void causal_tile_dot(const bf16* __restrict query, const bf16* __restrict kt2, const bf16* __restrict v2,
-                            const bf16* __restrict value, bf16* __restrict out, int64_t first_row, int64_t num_rows,
+// bf16 causal attention with its scores on AVX-512 BF16's dot products (vdpbf16ps: two bf16 products and a
+// float32 sum per lane), half the instructions of widening to float32 and fusing multiply-adds: the tile of
+// causal_tile, with K laid out in pairs of dimensions ([head_dim / 2][keys][2]: a lane's pair is one key's two
+// dimensions), built once per call. Products are exact and sums float32; the V pass is causal_tile's.
+static void causal_tile_dot(const bf16* __restrict query, const bf16* __restrict kt2, const bf16* __restrict value, bf16* __restrict out, int64_t first_row, int64_t num_rows,
                             int64_t head, int64_t kv_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t keys_stride, float scale, float* __restrict scores, uint32_t* __restrict weights) {
+                            int64_t keys_stride, float scale, float* __restrict scores) {
     const int64_t num_keys = first_row + num_rows;
     const int64_t padded_keys = (num_keys + KEY_VEC - 1) / KEY_VEC * KEY_VEC;
     const int64_t half = head_dim / 2;
@@ -626,76 +622,64 @@ static void causal_tile_dot(const bf16* __restrict query, const bf16* __restrict
         std::fill_n(scores + r * padded_keys, num_keys, 0.f);
         inv_sum[r] = 0.f;
     }
-    const int64_t shared_pairs = (first_row + 1) / 2;  // pairs of keys every row of the tile sees
-    const int64_t pairs_stride = (keys_stride + 1) / 2;
-    for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
-        for (int64_t jp = 0; jp < shared_pairs; ++jp)
-            weights[r * pairs_stride + jp] = bf16_pair(scores[r * padded_keys + 2 * jp], scores[r * padded_keys + 2 * jp + 1]);
+    // out_r = sum_j p[r, j] v_j in float32, the weights unrounded (rounding them to bf16 for dot products, as
+    // transformers' bf16 attention does, turned the real model's first answer token at a near-tie: "L'" for "The"
+    // asked for France's capital), V widened as it is read: causal_tile's V pass
     const int64_t v_stride = num_kv_heads * head_dim;
     const bf16* v_head = value + kv_head * head_dim;
     for (int64_t c0 = 0; c0 < head_dim; c0 += COL_VECS * KEY_VEC) {
-        __m512 a[CAUSAL_ROWS][COL_VECS];
-        for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
-            for (int c = 0; c < COL_VECS; ++c) a[r][c] = _mm512_setzero_ps();
-        for (int64_t jp = 0; jp < shared_pairs; ++jp) {
-            __m512bh v[COL_VECS];
-            for (int c = 0; c < COL_VECS; ++c)
-                v[c] = (__m512bh)_mm512_loadu_si512(v2 + (jp * head_dim + c0 + c * KEY_VEC) * 2);
-#pragma GCC unroll 8
-            for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
-                const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[r * pairs_stride + jp]));
-                for (int c = 0; c < COL_VECS; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], w, v[c]);
-            }
-        }
-        // the keys after the shared pairs, each only for the rows that see it (float32, the weights unrounded)
-        for (int64_t j = 2 * shared_pairs; j < num_keys; ++j) {
+        vecf a[CAUSAL_ROWS][COL_VECS] = {};
+        for (int64_t j = 0; j <= first_row; ++j) {  // keys every row of the tile sees
             vecf v[COL_VECS];
             for (int c = 0; c < COL_VECS; ++c) v[c] = loadv(v_head + j * v_stride + c0 + c * KEY_VEC);
+#pragma GCC unroll 8
             for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
-                if (first_row + r < j || r >= num_rows) continue;
                 const float p = scores[r * padded_keys + j];
-                for (int c = 0; c < COL_VECS; ++c) a[r][c] = (__m512)((vecf)a[r][c] + p * v[c]);
+                for (int c = 0; c < COL_VECS; ++c) a[r][c] += p * v[c];
+            }
+        }
+        for (int64_t j = first_row + 1; j < num_keys; ++j) {  // the tile's own later keys, only for rows that see them
+            vecf v[COL_VECS];
+            for (int c = 0; c < COL_VECS; ++c) v[c] = loadv(v_head + j * v_stride + c0 + c * KEY_VEC);
+#pragma GCC unroll 8
+            for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
+                if (r < j - first_row || r >= num_rows) continue;
+                const float p = scores[r * padded_keys + j];
+                for (int c = 0; c < COL_VECS; ++c) a[r][c] += p * v[c];
             }
         }
         for (int64_t r = 0; r < num_rows; ++r) {
             bf16* __restrict dst = out + ((first_row + r) * num_heads + head) * head_dim + c0;
-            for (int c = 0; c < COL_VECS; ++c) storev(dst + c * KEY_VEC, (vecf)a[r][c] * inv_sum[r]);
+            for (int c = 0; c < COL_VECS; ++c) storev(dst + c * KEY_VEC, a[r][c] * inv_sum[r]);
         }
     }
 }
 
-// causal_attention for bf16 on the dot-product instructions: K and V re-laid in pairs once per call.
+// causal_attention for bf16 on the dot-product instructions: K re-laid in pairs once per call.
 static void causal_attention_dot(const bf16* query, const bf16* key, const bf16* value, bf16* out,
                                  int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  float scale, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t keys_stride = (num_tokens + KEY_VEC - 1) / KEY_VEC * KEY_VEC;
-    const int64_t pairs = (num_tokens + 1) / 2;
     std::vector<bf16> kt2(num_kv_heads * head_dim * keys_stride, 0);  // [kv head][head_dim / 2][keys][2]
-    std::vector<bf16> v2(num_kv_heads * pairs * head_dim * 2, 0);      // [kv head][keys / 2][head_dim][2]
 #pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * num_kv_heads * head_dim))
     for (int64_t h = 0; h < num_kv_heads; ++h)
         for (int64_t t = 0; t < num_tokens; ++t)
-            for (int64_t d = 0; d < head_dim; ++d) {
-                const int64_t src = (t * num_kv_heads + h) * head_dim + d;
-                kt2[((h * (head_dim / 2) + d / 2) * keys_stride + t) * 2 + d % 2] = key[src];
-                v2[((h * pairs + t / 2) * head_dim + d) * 2 + t % 2] = value[src];
-            }
+            for (int64_t d = 0; d < head_dim; ++d)
+                kt2[((h * (head_dim / 2) + d / 2) * keys_stride + t) * 2 + d % 2] = key[(t * num_kv_heads + h) * head_dim + d];
     const int64_t num_tiles = (num_tokens + CAUSAL_ROWS - 1) / CAUSAL_ROWS;
     const int64_t num_tasks = num_heads * num_tiles;
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores(CAUSAL_ROWS * keys_stride);
-        std::vector<uint32_t> weights(CAUSAL_ROWS * ((keys_stride + 1) / 2));
 #pragma omp for schedule(dynamic, 4)
         for (int64_t task = num_tasks - 1; task >= 0; --task) {  // the heaviest tiles (the last rows) first
             const int64_t head = task % num_heads, tile = task / num_heads;
             const int64_t first_row = tile * CAUSAL_ROWS;
             const int64_t rows = std::min(CAUSAL_ROWS, num_tokens - first_row);
             const int64_t kv_head = head / group;
-            causal_tile_dot(query, kt2.data() + kv_head * head_dim * keys_stride,
-                            v2.data() + kv_head * pairs * head_dim * 2, value, out, first_row, rows, head, kv_head,
-                            num_heads, num_kv_heads, head_dim, keys_stride, scale, scores.data(), weights.data());
+            causal_tile_dot(query, kt2.data() + kv_head * head_dim * keys_stride, value, out, first_row, rows, head,
+                            kv_head, num_heads, num_kv_heads, head_dim, keys_stride, scale, scores.data());
         }
     }
 }
@@ -915,11 +899,11 @@ static void linear(const T* x, const T* packed, const T* bias, T* y, int64_t num
 // vector loaded once per group. Sums in float32, rounded once on store.
 constexpr int DOT_ROWS = 8;
 
-template <int ROWS>
+template <int ROWS, class O>
 static inline __attribute__((always_inline)) void linear_dot_rows(const bf16* __restrict x, int64_t stride_x,
                                                                   const bf16* __restrict w, int64_t block_stride,
                                                                   int blocks, const bf16* __restrict bias,
-                                                                  bf16* __restrict y, int64_t stride_y, int64_t k,
+                                                                  O* __restrict y, int64_t stride_y, int64_t k,
                                                                   int64_t cols) {
     __m512 acc[ROWS][2];
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -949,30 +933,32 @@ static inline __attribute__((always_inline)) void linear_dot_rows(const bf16* __
         float out[32];
         _mm512_storeu_ps(out, acc[r][0]);
         _mm512_storeu_ps(out + 16, acc[r][1]);
-        bf16* dst = y + r * stride_y;
-        for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<bf16>(bias != nullptr ? out[c] + to_float(bias[c]) : out[c]);
+        O* dst = y + r * stride_y;
+        for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<O>(bias != nullptr ? out[c] + to_float(bias[c]) : out[c]);
     }
 }
 
+template <class O>
 static __attribute__((noinline)) void linear_dot_block(const bf16* x, const bf16* w, int64_t block_stride, int blocks,
-                                                       const bf16* bias, bf16* y, int64_t num_rows, int64_t k,
+                                                       const bf16* bias, O* y, int64_t num_rows, int64_t k,
                                                        int64_t n, int64_t stride_x, int64_t cols) {
     int64_t r = 0;
     for (; r + DOT_ROWS <= num_rows; r += DOT_ROWS)
-        linear_dot_rows<DOT_ROWS>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols);
+        linear_dot_rows<DOT_ROWS, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols);
     switch (num_rows - r) {  // the last few rows, unrolled for their count
         case 0: break;
-        case 1: linear_dot_rows<1>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 2: linear_dot_rows<2>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 3: linear_dot_rows<3>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 4: linear_dot_rows<4>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 5: linear_dot_rows<5>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 6: linear_dot_rows<6>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        default: linear_dot_rows<7>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
+        case 1: linear_dot_rows<1, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
+        case 2: linear_dot_rows<2, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
+        case 3: linear_dot_rows<3, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
+        case 4: linear_dot_rows<4, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
+        case 5: linear_dot_rows<5, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
+        case 6: linear_dot_rows<6, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
+        default: linear_dot_rows<7, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
     }
 }
 
-static void linear_pairs(const bf16* x, const bf16* packed, const bf16* bias, bf16* y, int64_t num_rows, int64_t n,
+template <class O>
+static void linear_pairs(const bf16* x, const bf16* packed, const bf16* bias, O* y, int64_t num_rows, int64_t n,
                          int64_t k, int64_t stride_x, int num_threads) {
     const int64_t num_blocks = (n + 15) / 16;
     const int64_t block_stride = (k + 1) / 2 * 32;  // bf16 values in one block of 16 columns
@@ -994,6 +980,14 @@ extern "C" {
 // W packed by pack_linear_pairs; only where the build has AVX-512 BF16 (bf16_dot_products()), else it does nothing.
 void linear_pairs_bf16(const bf16* x, const bf16* packed, const bf16* bias, bf16* y, int64_t num_rows, int64_t n,
                        int64_t k, int64_t stride_x, int num_threads) {
+#if INFLIGHT_BF16_DOT
+    linear_pairs(x, packed, bias, y, num_rows, n, k, stride_x, num_threads);
+#endif
+}
+
+// The same with y float32: the sums unrounded (logits: bf16's 8 bits tie candidates an eighth apart at 25).
+void linear_pairs_bf16_f32(const bf16* x, const bf16* packed, const bf16* bias, float* y, int64_t num_rows, int64_t n,
+                           int64_t k, int64_t stride_x, int num_threads) {
 #if INFLIGHT_BF16_DOT
     linear_pairs(x, packed, bias, y, num_rows, n, k, stride_x, num_threads);
 #endif

@@ -102,8 +102,8 @@ def test_serve_vs_vllm(name, kind, token_range, tmp_path):
     assert (app.model, app.model_name) == (model.engine_model, model.served_name)
     if kind == "random":  # (the others' export is made and checked in test_models)
         hf = str(model.hf_dir())
-        server = serve_vs_vllm.vllm_server_argv("py", "auto", False, model)
-        assert server[server.index("--model") + 1] == hf
+        server = serve_vs_vllm.vllm_server_argv("py", "auto", False, model, "bfloat16")
+        assert server[server.index("--model") + 1] == hf and server[server.index("--dtype") + 1] == "bfloat16"
         assert server[server.index("--served-model-name") + 1] == MODEL_NAME == app.model_name
         client = serve_vs_vllm.client_argv("py", 8001, model, 4, 4, 0, tmp_path / "out.json")
         assert client[client.index("--model") + 1] == hf and MODEL_NAME in client

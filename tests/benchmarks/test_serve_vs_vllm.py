@@ -39,3 +39,11 @@ def test_all_cpus_computes_with_more_threads_and_lets_ray_share_every_cpu():
 
 def test_every_system_has_a_port():
     assert {"ours", "ours-all-cpus", "vllm", "vllm-all-cpus"} <= set(serve_vs_vllm.PORTS)
+
+
+def test_both_servers_get_the_dtype():
+    config = yaml.safe_load(serve_vs_vllm.bench_config(CHECKPOINT, None, dtype="bfloat16"))
+    assert config["applications"][0]["args"]["engine_args"]["dtype"] == "bfloat16"
+    config = yaml.safe_load(serve_vs_vllm.bench_config(CHECKPOINT, 2, dtype="bfloat16"))
+    assert config["applications"][0]["args"]["engine_args"]["dtype"] == "bfloat16"
+    assert config["applications"][0]["args"]["engine_args"]["num_threads"] == 2

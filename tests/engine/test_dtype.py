@@ -15,20 +15,11 @@ from tests.engine.helpers import make_engine
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
 
-@pytest.mark.parametrize("hardware", ["amx_bf16", "avx512_bf16"])
-@pytest.mark.parametrize("checkpoint", ["bfloat16", "float16"])
-def test_a_half_precision_checkpoint_runs_in_bfloat16_on_a_cpu_with_bfloat16_units(monkeypatch, hardware, checkpoint):
+@pytest.mark.parametrize("hardware", ["amx_bf16", "avx512_bf16", None])
+@pytest.mark.parametrize("checkpoint", ["bfloat16", "float16", "float32", None])
+def test_auto_is_float32_on_a_cpu_until_bfloat16_keeps_near_ties(monkeypatch, hardware, checkpoint):
     monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: hardware)
-    assert resolve_dtype("auto", checkpoint, CPU) == torch.bfloat16
-
-
-@pytest.mark.parametrize("checkpoint", ["bfloat16", "float32", None])
-def test_float32_without_bfloat16_units_or_for_a_float32_checkpoint(monkeypatch, checkpoint):
-    monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: None)
     assert resolve_dtype("auto", checkpoint, CPU) == torch.float32
-    monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: "avx512_bf16")
-    if checkpoint != "bfloat16":
-        assert resolve_dtype("auto", checkpoint, CPU) == torch.float32
 
 
 def test_an_explicit_dtype_is_kept_and_a_gpu_takes_the_checkpoints_half_precision(monkeypatch):
@@ -48,9 +39,16 @@ def test_the_hardware_is_read_from_the_cpus_flags(monkeypatch):
     assert cpu_kernels.bf16_hardware() is None
 
 
-def test_the_engine_logs_its_dtype_and_why(caplog, monkeypatch):
+def test_the_reason_says_where_bfloat16_would_pay(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: "avx512_bf16")
+    dtype, why = model_runner._resolve_dtype("auto", "bfloat16", CPU)
+    assert dtype == torch.float32 and "avx512_bf16" in why and "dtype='bfloat16'" in why
     monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: None)
+    assert model_runner._resolve_dtype("auto", "bfloat16", CPU) == (torch.float32, "auto")
+
+
+def test_the_engine_logs_its_dtype_and_why(caplog):
     with caplog.at_level(logging.INFO, logger=model_runner.__name__):
-        engine = make_engine(dtype="auto")  # demo-tiny: a float32 checkpoint
+        engine = make_engine(dtype="auto")
     assert engine.runner.dtype == torch.float32
-    assert "running in float32 (auto: this CPU has no bfloat16 instructions" in caplog.text
+    assert "running in float32 (auto" in caplog.text

@@ -3,8 +3,8 @@ against PyTorch and float64).
 
 A bfloat16 kernel widens its inputs exactly, runs the float32 kernel's arithmetic in the same order, and rounds
 its result once: so it must give, bit for bit, the float32 kernel's result on the widened inputs rounded to
-bfloat16. The exceptions: attention where the build has AVX-512 BF16 (dot products, and in the causal kernel bf16
-softmax weights: close, not the same bits), and the norm with the residual add, which rounds the new residual stream as it stores
+bfloat16. The exceptions: attention where the build has AVX-512 BF16 (scores on dot products, and in the decode
+kernel bf16 softmax weights: close, not the same bits), and the norm with the residual add, which rounds the new residual stream as it stores
 it and normalises that; and the norm's sum of squares may add its lanes in another order (within one unit in the
 last place). Both lane widths (the ``lanes`` fixture).
 """
@@ -79,7 +79,7 @@ def test_causal_attention(num_tokens, num_heads, num_kv_heads, head_dim, lanes):
     want = cpu_kernels.causal_attention(q.float(), k.float(), v.float(), 0.1)
     if not cpu_kernels.bf16_dot_products():
         same_bits(got, rounded(want))
-    else:  # dot products: the softmax weights are rounded to bf16 for the V pass, so close, not the same bits
+    else:  # scores on dot products: sums in another order, so close, not the same bits
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
         assert (got.float() - want).abs().mean() < 2e-3
@@ -87,7 +87,7 @@ def test_causal_attention(num_tokens, num_heads, num_kv_heads, head_dim, lanes):
 
 def test_causal_attention_reads_no_token_after_a_row(lanes):
     """As in float32: poisoning every later token's key and value (NaN) changes nothing before it, on the dot
-    product path too (a later key never meets a zero weight in a pair)."""
+    product path too (a later key's score lane is its own; its value never meets a zero weight)."""
     for tokens, cut in ((40, 20), (41, 21), (9, 4)):
         q, k, v = (bf16(randn(tokens, 4, 32, seed=s)) for s in (1, 2, 3))
         clean = cpu_kernels.causal_attention(q, k, v, 0.2)
