@@ -417,30 +417,35 @@ constexpr int64_t KEY_VEC = VL;
 // with 16 registers (AVX2) one per row, or the accumulators spill.
 constexpr int COL_VECS = VL == 16 ? 2 : 1;
 
-template <int HEAD_DIM, class T>
-static void causal_tile(const T* __restrict query, const float* __restrict kt, const T* __restrict value,
-                        T* __restrict out, int64_t first_row, int64_t num_rows, int64_t head, int64_t kv_head,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t keys_stride,
-                        float scale, float* __restrict scores) {
-    static_assert(HEAD_DIM % 32 == 0 && 32 % (COL_VECS * KEY_VEC) == 0, "head_dim in whole sweeps of columns");
-    const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
-    const int64_t num_keys = first_row + num_rows;  // the tile's last row sees keys 0 .. first_row + num_rows - 1
-    const int64_t padded_keys = (num_keys + KEY_VEC - 1) / KEY_VEC * KEY_VEC;
-    float q[CAUSAL_ROWS][HEAD_DIM > 0 ? HEAD_DIM : 256];
-    for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
-        for (int64_t d = 0; d < head_dim; ++d)
-            q[r][d] = r < num_rows ? to_float(query[((first_row + r) * num_heads + head) * head_dim + d]) * scale : 0.f;
-    // scores[r, j] = q_r . k_j, KEY_VEC keys at a time (kt is zero past the last key, so the tail is harmless)
-    for (int64_t j0 = 0; j0 < padded_keys; j0 += KEY_VEC) {
-        vecf acc[CAUSAL_ROWS] = {};
-        for (int64_t d = 0; d < head_dim; ++d) {
-            const vecf k = loadv(kt + d * keys_stride + j0);
-#pragma GCC unroll 8
-            for (int64_t r = 0; r < CAUSAL_ROWS; ++r) acc[r] += q[r][d] * k;
+// The causal kernels' tasks: one query head and one tile of CAUSAL_ROWS rows each, handed out dynamically (tiles of
+// later rows see more keys), the heaviest first; ``tile(head, kv_head, first_row, rows, scores)`` with a scores
+// buffer of CAUSAL_ROWS x keys_stride per thread.
+template <class Tile>
+static void for_each_causal_tile(int64_t num_tokens, int64_t num_heads, int64_t group, int64_t keys_stride,
+                                 int num_threads, Tile tile) {
+    const int64_t num_tiles = (num_tokens + CAUSAL_ROWS - 1) / CAUSAL_ROWS;
+    const int64_t num_tasks = num_heads * num_tiles;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scores(CAUSAL_ROWS * keys_stride);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = num_tasks - 1; task >= 0; --task) {  // the heaviest tiles (the last rows) first
+            const int64_t head = task % num_heads, first_row = task / num_heads * CAUSAL_ROWS;
+            tile(head, head / group, first_row, std::min(CAUSAL_ROWS, num_tokens - first_row), scores.data());
         }
-#pragma GCC unroll 8
-        for (int64_t r = 0; r < CAUSAL_ROWS; ++r) storev(scores + r * padded_keys + j0, acc[r]);
     }
+}
+
+// A causal tile's softmax and V pass, once its scores [CAUSAL_ROWS, padded_keys] are in: an exact softmax per
+// row over the keys it sees, then out_r = sum_j p[r, j] v_j in float32 (V widened as it is read). Shared by
+// causal_tile and, in bf16 on dot products, causal_tile_dot (whose weights stay float32 too: rounding them to bf16
+// for dot products, as transformers' bf16 attention does, turned the real model's first answer token at a
+// near-tie: "L'" for "The" asked for France's capital).
+template <class T>
+static void causal_softmax_values(float* __restrict scores, int64_t padded_keys, const T* __restrict value,
+                                  T* __restrict out, int64_t first_row, int64_t num_rows, int64_t head,
+                                  int64_t kv_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+    const int64_t num_keys = first_row + num_rows;
     float inv_sum[CAUSAL_ROWS];
     for (int64_t r = 0; r < num_rows; ++r) {  // an exact softmax over the keys row r sees: 0 .. first_row + r
         float* __restrict s = scores + r * padded_keys;
@@ -486,6 +491,34 @@ static void causal_tile(const T* __restrict query, const float* __restrict kt, c
             for (int c = 0; c < COL_VECS; ++c) storev(dst + c * KEY_VEC, a[r][c] * inv_sum[r]);
         }
     }
+}
+
+template <int HEAD_DIM, class T>
+static void causal_tile(const T* __restrict query, const float* __restrict kt, const T* __restrict value,
+                        T* __restrict out, int64_t first_row, int64_t num_rows, int64_t head, int64_t kv_head,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t keys_stride,
+                        float scale, float* __restrict scores) {
+    static_assert(HEAD_DIM % 32 == 0 && 32 % (COL_VECS * KEY_VEC) == 0, "head_dim in whole sweeps of columns");
+    const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+    const int64_t num_keys = first_row + num_rows;  // the tile's last row sees keys 0 .. first_row + num_rows - 1
+    const int64_t padded_keys = (num_keys + KEY_VEC - 1) / KEY_VEC * KEY_VEC;
+    float q[CAUSAL_ROWS][HEAD_DIM > 0 ? HEAD_DIM : 256];
+    for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
+        for (int64_t d = 0; d < head_dim; ++d)
+            q[r][d] = r < num_rows ? to_float(query[((first_row + r) * num_heads + head) * head_dim + d]) * scale : 0.f;
+    // scores[r, j] = q_r . k_j, KEY_VEC keys at a time (kt is zero past the last key, so the tail is harmless)
+    for (int64_t j0 = 0; j0 < padded_keys; j0 += KEY_VEC) {
+        vecf acc[CAUSAL_ROWS] = {};
+        for (int64_t d = 0; d < head_dim; ++d) {
+            const vecf k = loadv(kt + d * keys_stride + j0);
+#pragma GCC unroll 8
+            for (int64_t r = 0; r < CAUSAL_ROWS; ++r) acc[r] += q[r][d] * k;
+        }
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < CAUSAL_ROWS; ++r) storev(scores + r * padded_keys + j0, acc[r]);
+    }
+    causal_softmax_values(scores, padded_keys, value, out, first_row, num_rows, head, kv_head, num_heads, num_kv_heads,
+                          head_dim);
 }
 
 // -- Decode-sized linears -------------------------------------------------------------------------------------
@@ -611,48 +644,8 @@ static void causal_tile_dot(const bf16* __restrict query, const bf16* __restrict
 #pragma GCC unroll 8
         for (int64_t r = 0; r < CAUSAL_ROWS; ++r) storev(scores + r * padded_keys + j0, (vecf)acc[r] * scale_v);
     }
-    float inv_sum[CAUSAL_ROWS];
-    for (int64_t r = 0; r < num_rows; ++r) {
-        float* __restrict s = scores + r * padded_keys;
-        const int64_t visible = first_row + r + 1;
-        inv_sum[r] = 1.f / exp_in_place(s, visible);
-        for (int64_t j = visible; j < num_keys; ++j) s[j] = 0.f;
-    }
-    for (int64_t r = num_rows; r < CAUSAL_ROWS; ++r) {
-        std::fill_n(scores + r * padded_keys, num_keys, 0.f);
-        inv_sum[r] = 0.f;
-    }
-    // out_r = sum_j p[r, j] v_j in float32, the weights unrounded (rounding them to bf16 for dot products, as
-    // transformers' bf16 attention does, turned the real model's first answer token at a near-tie: "L'" for "The"
-    // asked for France's capital), V widened as it is read: causal_tile's V pass
-    const int64_t v_stride = num_kv_heads * head_dim;
-    const bf16* v_head = value + kv_head * head_dim;
-    for (int64_t c0 = 0; c0 < head_dim; c0 += COL_VECS * KEY_VEC) {
-        vecf a[CAUSAL_ROWS][COL_VECS] = {};
-        for (int64_t j = 0; j <= first_row; ++j) {  // keys every row of the tile sees
-            vecf v[COL_VECS];
-            for (int c = 0; c < COL_VECS; ++c) v[c] = loadv(v_head + j * v_stride + c0 + c * KEY_VEC);
-#pragma GCC unroll 8
-            for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
-                const float p = scores[r * padded_keys + j];
-                for (int c = 0; c < COL_VECS; ++c) a[r][c] += p * v[c];
-            }
-        }
-        for (int64_t j = first_row + 1; j < num_keys; ++j) {  // the tile's own later keys, only for rows that see them
-            vecf v[COL_VECS];
-            for (int c = 0; c < COL_VECS; ++c) v[c] = loadv(v_head + j * v_stride + c0 + c * KEY_VEC);
-#pragma GCC unroll 8
-            for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
-                if (r < j - first_row || r >= num_rows) continue;
-                const float p = scores[r * padded_keys + j];
-                for (int c = 0; c < COL_VECS; ++c) a[r][c] += p * v[c];
-            }
-        }
-        for (int64_t r = 0; r < num_rows; ++r) {
-            bf16* __restrict dst = out + ((first_row + r) * num_heads + head) * head_dim + c0;
-            for (int c = 0; c < COL_VECS; ++c) storev(dst + c * KEY_VEC, a[r][c] * inv_sum[r]);
-        }
-    }
+    causal_softmax_values(scores, padded_keys, value, out, first_row, num_rows, head, kv_head, num_heads, num_kv_heads,
+                          head_dim);
 }
 
 // causal_attention for bf16 on the dot-product instructions: K re-laid in pairs once per call.
@@ -667,21 +660,11 @@ static void causal_attention_dot(const bf16* query, const bf16* key, const bf16*
         for (int64_t t = 0; t < num_tokens; ++t)
             for (int64_t d = 0; d < head_dim; ++d)
                 kt2[((h * (head_dim / 2) + d / 2) * keys_stride + t) * 2 + d % 2] = key[(t * num_kv_heads + h) * head_dim + d];
-    const int64_t num_tiles = (num_tokens + CAUSAL_ROWS - 1) / CAUSAL_ROWS;
-    const int64_t num_tasks = num_heads * num_tiles;
-#pragma omp parallel num_threads(num_threads)
-    {
-        std::vector<float> scores(CAUSAL_ROWS * keys_stride);
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t task = num_tasks - 1; task >= 0; --task) {  // the heaviest tiles (the last rows) first
-            const int64_t head = task % num_heads, tile = task / num_heads;
-            const int64_t first_row = tile * CAUSAL_ROWS;
-            const int64_t rows = std::min(CAUSAL_ROWS, num_tokens - first_row);
-            const int64_t kv_head = head / group;
-            causal_tile_dot(query, kt2.data() + kv_head * head_dim * keys_stride, value, out, first_row, rows, head,
-                            kv_head, num_heads, num_kv_heads, head_dim, keys_stride, scale, scores.data());
-        }
-    }
+    for_each_causal_tile(num_tokens, num_heads, group, keys_stride, num_threads,
+                         [&](int64_t head, int64_t kv_head, int64_t first_row, int64_t rows, float* scores) {
+        causal_tile_dot(query, kt2.data() + kv_head * head_dim * keys_stride, value, out, first_row, rows, head,
+                        kv_head, num_heads, num_kv_heads, head_dim, keys_stride, scale, scores);
+    });
 }
 #endif
 
@@ -703,30 +686,20 @@ static void causal_attention(const T* query, const T* key, const T* value, T* ou
         for (int64_t t = 0; t < num_tokens; ++t)
             for (int64_t d = 0; d < head_dim; ++d)
                 kt[(h * head_dim + d) * keys_stride + t] = to_float(key[(t * num_kv_heads + h) * head_dim + d]);
-    const int64_t num_tiles = (num_tokens + CAUSAL_ROWS - 1) / CAUSAL_ROWS;
-    const int64_t num_tasks = num_heads * num_tiles;
-#pragma omp parallel num_threads(num_threads)
-    {
-        std::vector<float> scores(CAUSAL_ROWS * keys_stride);
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t task = num_tasks - 1; task >= 0; --task) {  // the heaviest tiles (the last rows) first
-            const int64_t head = task % num_heads, tile = task / num_heads;
-            const int64_t first_row = tile * CAUSAL_ROWS;
-            const int64_t rows = std::min(CAUSAL_ROWS, num_tokens - first_row);
-            const int64_t kv_head = head / group;
-            const float* kt_head = kt.data() + kv_head * head_dim * keys_stride;
-            auto run = [&](auto tile_fn) {
-                tile_fn(query, kt_head, value, out, first_row, rows, head, kv_head, num_heads, num_kv_heads,
-                        head_dim, keys_stride, scale, scores.data());
-            };
-            switch (head_dim) {
-                case 32: run(causal_tile<32, T>); break;
-                case 64: run(causal_tile<64, T>); break;
-                case 128: run(causal_tile<128, T>); break;
-                default: run(causal_tile<0, T>); break;
-            }
+    for_each_causal_tile(num_tokens, num_heads, group, keys_stride, num_threads,
+                         [&](int64_t head, int64_t kv_head, int64_t first_row, int64_t rows, float* scores) {
+        const float* kt_head = kt.data() + kv_head * head_dim * keys_stride;
+        auto run = [&](auto tile_fn) {
+            tile_fn(query, kt_head, value, out, first_row, rows, head, kv_head, num_heads, num_kv_heads, head_dim,
+                    keys_stride, scale, scores);
+        };
+        switch (head_dim) {
+            case 32: run(causal_tile<32, T>); break;
+            case 64: run(causal_tile<64, T>); break;
+            case 128: run(causal_tile<128, T>); break;
+            default: run(causal_tile<0, T>); break;
         }
-    }
+    });
 }
 
 
