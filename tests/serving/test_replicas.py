@@ -315,9 +315,11 @@ def test_streams_whose_replica_lost_its_engine_continue_exactly(two, ray_cluster
         async with httpx.AsyncClient(timeout=120.0, limits=httpx.Limits(max_connections=64)) as client:
             tasks = [asyncio.create_task(_post(client, two, body)) for body in bodies]
             if kill:
-                stats = await asyncio.to_thread(wait_for_stats, lambda s: len(s["replicas"]) == 2 and all(
+                # A replica with streams running (the router may have sent them all to one: waiting for both to be
+                # generating at once failed when the other finished its few before a poll saw it busy).
+                stats = await asyncio.to_thread(wait_for_stats, lambda s: len(s["replicas"]) == 2 and any(
                     r["num_running"] >= 2 for r in s["replicas"]), base_url=two, timeout=30, interval=0.05,
-                    what="both replicas generating")
+                    what="a replica generating")
                 victim = max(stats["replicas"], key=lambda r: r["num_running"])["replica_id"]
                 os.kill(_engine_process_of(ray_cluster, victim), signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), 180)
