@@ -116,6 +116,7 @@ def load() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = argtypes, None
     lib.linear_max_rows.argtypes, lib.linear_max_rows.restype = [], i32
     lib.bf16_dot_products.argtypes, lib.bf16_dot_products.restype = [], i32
+    lib.has_bf16_dot = bool(lib.bf16_dot_products())  # read once: linear_pairs checks it at every call
     lib.linear_pairs_bf16.argtypes, lib.linear_pairs_bf16.restype = signatures["linear"], None
     lib.linear_pairs_bf16_f32.argtypes, lib.linear_pairs_bf16_f32.restype = signatures["linear"], None
     return lib
@@ -169,7 +170,7 @@ def bf16_dot_products() -> bool:
     bf16 attention rounds them) rather than widening to float32 (the float32 kernel's result, rounded once); and
     whether ``linear_pairs`` runs."""
     lib = load()
-    return bool(lib is not None and lib.bf16_dot_products())
+    return lib is not None and lib.has_bf16_dot
 
 
 def causal_attention_supports(head_dim: int) -> bool:
@@ -341,9 +342,10 @@ def linear_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     ``bf16_dot_products()``): products and sums in float32."""
     assert bf16_dot_products(), "linear_pairs needs a build with AVX-512 BF16 (bf16_dot_products())"
     assert out_dtype in (torch.bfloat16, torch.float32), "out_dtype: bfloat16 or float32"
-    kernel = _lib().linear_pairs_bf16 if out_dtype is torch.bfloat16 else _lib().linear_pairs_bf16_f32
-    _kernel("linear", x, packed)  # (the checks: CPU bfloat16)
-    assert x.dtype is torch.bfloat16, "linear_pairs takes bfloat16"
+    lib = _lib()
+    kernel = lib.linear_pairs_bf16 if out_dtype is torch.bfloat16 else lib.linear_pairs_bf16_f32
+    assert x.dtype is packed.dtype is torch.bfloat16 and x.is_cpu and packed.is_cpu, \
+        "linear_pairs takes bfloat16 CPU tensors"
     if x.stride(1) != 1:
         x = x.contiguous()
     assert packed.shape[1] == (x.shape[1] + 1) // 2 and packed.shape[2:] == (PAIR_COLS, 2), "x's width: the packed in"

@@ -105,9 +105,10 @@ def _float32_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def pack_linear_weights(model: nn.Module, expected_rows: int = 64) -> int:
-    """Give every float32 or bfloat16 ``nn.Linear`` of ``model`` packed copies of its weight (oneDNN's, and the kernel's when
-    the CPU kernels are built) and a forward that uses them for every row count; returns how many were packed.
-    ``expected_rows`` is oneDNN's layout hint."""
+    """Give every float32 or bfloat16 ``nn.Linear`` of ``model`` packed copies of its weight and a forward that uses
+    them for every row count; returns how many were packed. float32 (and bf16 without the dot-product kernel):
+    oneDNN's copy, and the decode kernel's when the CPU kernels are built; bf16 with it: ``linear_pairs``' copy
+    alone. ``expected_rows`` is oneDNN's layout hint."""
     if not packing_available():
         return 0
     max_rows = kernel_rows()

@@ -219,6 +219,12 @@ static inline __attribute__((always_inline)) vecf sum_each(const vecf* v) {
 // 256). ``scores`` holds group * seq_len floats, ``acc`` group * head_dim. 14 rows x 500 tokens (8 heads of 32, 4 kv
 // heads): 0.58 ms as plain loops (dot products summed one key at a time, accumulators in memory) against 0.44 on
 // vectors on the Sapphire Rapids VM; 0.26 against 0.20 on the Zen 3 VM.
+// Pass 2 of a decode task: scores [rows, n] <- exp(s - max) per row, inv_sum[row] <- 1 / their sum (the softmax,
+// normalised when the values are summed).
+static inline void softmax_rows(float* __restrict scores, int64_t rows, int64_t n, float* __restrict inv_sum) {
+    for (int64_t r = 0; r < rows; ++r) inv_sum[r] = 1.f / exp_in_place(scores + r * n, n);
+}
+
 #if INFLIGHT_BF16_DOT
 static inline uint32_t bf16_pair(float lo, float hi) {
     return static_cast<uint32_t>(from_float<bf16>(lo)) | (static_cast<uint32_t>(from_float<bf16>(hi)) << 16);
@@ -332,19 +338,21 @@ static void decode_task(const T* __restrict query, const T* __restrict k_head,
     // pass 1: scores[g, t] = q_g . k_t, VL keys at a time for every query head of the group, so each key is read
     // from memory once (from L1 for the group's other heads): with the heads outside the walk, a group of 2 read
     // the cache twice and took 2.6x as long on a Zen 3 VM with slow scattered reads. Until pass 3, ``acc`` holds
-    // the scaled queries.
-    bool scored = false;  // on dot products (bf16): then pass 3 too
+    // the scaled queries. (bf16 where the build has AVX-512 BF16: passes 1 and 3 on dot products.)
+    float inv_sum[64];
 #if INFLIGHT_BF16_DOT
     if constexpr (sizeof(T) == sizeof(bf16)) {
         if (head_dim % 32 == 0) {
             decode_scores_dot<HEAD_DIM>(query, k_head, table, seq_len, group, head_dim, block_size, scale, scores);
-            scored = true;
+            softmax_rows(scores, group, seq_len, inv_sum);
+            decode_values_dot<HEAD_DIM>(scores, v_head, table, seq_len, group, head_dim, block_size, inv_sum, out);
+            return;
         }
     }
 #endif
     float* __restrict q_scaled = acc;
-    for (int64_t i = 0; i < group * head_dim && !scored; ++i) q_scaled[i] = to_float(query[i]) * scale;
-    for (int64_t first = 0; first < seq_len && !scored; first += block_size) {
+    for (int64_t i = 0; i < group * head_dim; ++i) q_scaled[i] = to_float(query[i]) * scale;
+    for (int64_t first = 0; first < seq_len; first += block_size) {
         const T* __restrict k = k_head + table[first / block_size] * block_floats;
         const int64_t n = std::min(block_size, seq_len - first);
         if (first + block_size < seq_len) prefetch_block(k_head + table[first / block_size + 1] * block_floats, block_floats);
@@ -369,17 +377,7 @@ static void decode_task(const T* __restrict query, const T* __restrict k_head,
             }
         }
     }
-    // pass 2: softmax per query head (normalised at the end)
-    float inv_sum[64];
-    for (int64_t g = 0; g < group; ++g) inv_sum[g] = 1.f / exp_in_place(scores + g * seq_len, seq_len);
-#if INFLIGHT_BF16_DOT
-    if constexpr (sizeof(T) == sizeof(bf16)) {
-        if (scored) {
-            decode_values_dot<HEAD_DIM>(scores, v_head, table, seq_len, group, head_dim, block_size, inv_sum, out);
-            return;
-        }
-    }
-#endif
+    softmax_rows(scores, group, seq_len, inv_sum);
     // pass 3: out_g = sum_t p[g, t] v_t, a block of V at a time for every query head of the group
     std::fill_n(acc, group * head_dim, 0.f);
     for (int64_t first = 0; first < seq_len; first += block_size) {
