@@ -113,18 +113,21 @@ def _resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device
     if device.type != "cpu":  # on a GPU, the checkpoint's half precision
         half = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
         return getattr(torch, half), f"auto: the checkpoint's {checkpoint_dtype or 'unstated'} dtype on a GPU"
-    # On a CPU, float32 for now. bfloat16 runs ~1.7x faster where the CPU has bfloat16 units (AVX-512 BF16, AMX),
-    # but its rounding (a bf16 residual stream, as transformers keeps it) moves the real model's logits by ~0.15,
-    # and asked for France's capital it answers "L'Étoile, ..." where float32 and transformers' bf16 say "The
-    # capital of France is Paris." (a near-tie: 0.08 apart in float32). Until the bf16 path keeps its residual
-    # stream in float32, bfloat16 is asked for (dtype="bfloat16"), and the log says where it would pay.
-    from kernels.cpu_kernels import bf16_hardware
+    # On a CPU, bfloat16 where the CPU has bfloat16 units (AVX-512 BF16, AMX) and our kernels run on them
+    # (~1.7x float32's throughput), for a checkpoint stored in half precision; float32 elsewhere, where bfloat16
+    # would be emulated. Under the CPU kernels bfloat16 layers keep a float32 residual stream
+    # (CausalLM.residual_dtype): with transformers' bf16 stream the real model's logits moved by ~0.15 and, asked
+    # for France's capital, it answered "L'Étoile, ..." at a near-tie where float32 says Paris (docs/benchmarks.md).
+    from kernels import cpu_kernels
 
-    hardware = bf16_hardware()
-    if checkpoint_dtype in ("bfloat16", "float16") and hardware is not None:
-        return torch.float32, (f"auto; this CPU has {hardware}: dtype='bfloat16' runs faster, and parts from "
-                               f"float32 at near-ties")
-    return torch.float32, "auto"
+    hardware = cpu_kernels.bf16_hardware()
+    if checkpoint_dtype not in ("bfloat16", "float16"):
+        return torch.float32, f"auto: the checkpoint's {checkpoint_dtype or 'unstated'} dtype on a CPU"
+    if hardware is None:
+        return torch.float32, "auto: this CPU has no bfloat16 units"
+    if not cpu_kernels.bf16_dot_products():
+        return torch.float32, f"auto: this CPU has {hardware}, but the CPU kernels were built without its dot products"
+    return torch.bfloat16, f"auto: a {checkpoint_dtype} checkpoint, and this CPU has {hardware}"
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,8 @@ class ModelRunner:
                                            config.load_format)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # faster decode-sized matmuls (see cpu_packing.py)
+            if self.dtype == torch.bfloat16 and self.backend.elementwise_ops() is not None:
+                self.model.residual_dtype = torch.float32  # the CPU kernels' norm keeps it (CausalLM.residual_dtype)
         self.model_config = source.config
         self.num_kv_blocks = self._count_kv_blocks(max_model_len)
         shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads,

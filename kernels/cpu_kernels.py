@@ -119,6 +119,7 @@ def load() -> ctypes.CDLL | None:
     lib.has_bf16_dot = bool(lib.bf16_dot_products())  # read once: linear_pairs checks it at every call
     lib.linear_pairs_bf16.argtypes, lib.linear_pairs_bf16.restype = signatures["linear"], None
     lib.linear_pairs_bf16_f32.argtypes, lib.linear_pairs_bf16_f32.restype = signatures["linear"], None
+    lib.rms_norm_bf16_f32res.argtypes, lib.rms_norm_bf16_f32res.restype = signatures["rms_norm"], None
     return lib
 
 
@@ -244,8 +245,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of ``x`` [tokens, hidden]; with ``residual``, of ``x + residual``, which is also written back
-    into ``residual`` (it is the next residual stream)."""
-    kernel = _kernel("rms_norm", x, weight, *([residual] if residual is not None else []))
+    into ``residual`` (it is the next residual stream). Under bfloat16 ``x`` and ``weight`` the residual may be
+    float32: the stream then keeps its sums unrounded."""
+    if residual is not None and residual.dtype is torch.float32 and x.dtype is torch.bfloat16:
+        _kernel("rms_norm", x, weight)
+        assert residual.is_cpu, "the CPU kernels take CPU tensors"
+        kernel = _lib().rms_norm_bf16_f32res
+    else:
+        kernel = _kernel("rms_norm", x, weight, *([residual] if residual is not None else []))
     assert x.stride(1) == 1 and weight.is_contiguous()
     if residual is not None:
         assert residual.stride(1) == 1

@@ -160,6 +160,10 @@ class CausalLM(nn.Module):
     and the padding rows are dropped from the result."""
 
     row_padding: Callable[[int], int] | None = None
+    # None: the residual stream in the activations' dtype (transformers' choice). float32 under bfloat16 layers (the
+    # CPU kernels' norm adds into it, ``engine.model_runner``): its sums are not rounded to bf16 at every layer, the
+    # rounding that moved the real model's logits by ~0.15 and turned a near-tie (docs/benchmarks.md, issue 47).
+    residual_dtype: torch.dtype | None = None
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
@@ -184,10 +188,13 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [rows, hidden]
         rope = self.rotary.tables(positions)
         residual = None
+        if self.residual_dtype is not None and self.residual_dtype != x.dtype:
+            # The first norm adds the embedding into it: zero plus a bf16 value is that value, exactly.
+            residual = torch.zeros(x.shape, dtype=self.residual_dtype, device=x.device)
         caches = kv_caches if kv_caches is not None else [None] * len(self.model.layers)
         for layer, kv_cache in zip(self.model.layers, caches):
             x, residual = layer(x, residual, rope, kv_cache, metadata, num_tokens)
-        hidden = x + residual
+        hidden = (x + residual).to(x.dtype)  # (one rounding, where the stream is float32)
         return hidden[:num_tokens] if rows != num_tokens else hidden
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -757,15 +757,9 @@ static void paged_decode_attention(const T* query, const T* k_cache, const T* v_
 // row of these passes is a function of its own, never inlined into the parallel loop.
 #define ROW_FN static __attribute__((noinline))
 
-template <class T>
-ROW_FN void rms_norm_row(const T* __restrict xt, T* __restrict rt, const T* __restrict weight,
-                         T* __restrict ot, int64_t hidden, float eps) {
-    const T* src = xt;
-    if (rt != nullptr) {  // (in bf16 the sum is rounded as it is stored: the residual stream is bf16, as in HF)
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) rt[i] = from_float<T>(to_float(rt[i]) + to_float(xt[i]));
-        src = rt;
-    }
+template <class S, class T>
+static inline __attribute__((always_inline)) void norm_of(const S* __restrict src, const T* __restrict weight,
+                                                          T* __restrict ot, int64_t hidden, float eps) {
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < hidden; ++i) sum += to_float(src[i]) * to_float(src[i]);
@@ -774,10 +768,24 @@ ROW_FN void rms_norm_row(const T* __restrict xt, T* __restrict rt, const T* __re
     for (int64_t i = 0; i < hidden; ++i) ot[i] = from_float<T>(to_float(src[i]) * inv_rms * to_float(weight[i]));
 }
 
+// R: the residual stream's type. bf16 (T's, as transformers keeps it: the sum is rounded as it is stored) or
+// float32 under a bf16 layer (the stream then keeps every layer's contribution unrounded; the norm reads it so).
+template <class T, class R>
+ROW_FN void rms_norm_row(const T* __restrict xt, R* __restrict rt, const T* __restrict weight,
+                         T* __restrict ot, int64_t hidden, float eps) {
+    if (rt == nullptr) {
+        norm_of(xt, weight, ot, hidden, eps);
+        return;
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) rt[i] = from_float<R>(to_float(rt[i]) + to_float(xt[i]));
+    norm_of(rt, weight, ot, hidden, eps);
+}
+
 // out = rms_norm(x (+ residual)) * weight; with residual, residual <- x + residual first (the next
 // residual stream). x, residual, out: [num_tokens, hidden] with row strides; weight: [hidden].
-template <class T>
-static void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t num_tokens,
+template <class T, class R = T>
+static void rms_norm(const T* x, R* residual, const T* weight, T* out, int64_t num_tokens,
                   int64_t hidden, int64_t stride_x, int64_t stride_r, int64_t stride_o, float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (worth_threads(num_tokens * hidden))
     for (int64_t t = 0; t < num_tokens; ++t)
@@ -990,7 +998,8 @@ int bf16_dot_products() { return INFLIGHT_BF16_DOT; }
     }                                                                                                              \
     void rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, T* out, int64_t num_tokens, int64_t hidden,   \
                            int64_t stride_x, int64_t stride_r, int64_t stride_o, float eps, int num_threads) {     \
-        rms_norm<T>(x, residual, weight, out, num_tokens, hidden, stride_x, stride_r, stride_o, eps, num_threads); \
+        rms_norm<T, T>(x, residual, weight, out, num_tokens, hidden, stride_x, stride_r, stride_o, eps,            \
+                       num_threads);                                                                               \
     }                                                                                                              \
     void silu_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t num_tokens, int64_t width, int64_t stride_in,     \
                                int num_threads) {                                                                  \
@@ -1014,5 +1023,12 @@ int bf16_dot_products() { return INFLIGHT_BF16_DOT; }
 
 INFLIGHT_EXPORTS(float, f32)
 INFLIGHT_EXPORTS(bf16, bf16)
+
+// rms_norm_bf16 with a float32 residual stream.
+void rms_norm_bf16_f32res(const bf16* x, float* residual, const bf16* weight, bf16* out, int64_t num_tokens,
+                          int64_t hidden, int64_t stride_x, int64_t stride_r, int64_t stride_o, float eps,
+                          int num_threads) {
+    rms_norm<bf16, float>(x, residual, weight, out, num_tokens, hidden, stride_x, stride_r, stride_o, eps, num_threads);
+}
 
 }  // extern "C"

@@ -15,11 +15,16 @@ from tests.engine.helpers import make_engine
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
 
+@pytest.mark.parametrize("dot_products", [True, False])
 @pytest.mark.parametrize("hardware", ["amx_bf16", "avx512_bf16", None])
 @pytest.mark.parametrize("checkpoint", ["bfloat16", "float16", "float32", None])
-def test_auto_is_float32_on_a_cpu_until_bfloat16_keeps_near_ties(monkeypatch, hardware, checkpoint):
+def test_auto_on_a_cpu_is_bfloat16_only_for_a_half_checkpoint_on_bfloat16_units(monkeypatch, hardware, checkpoint,
+                                                                                 dot_products):
     monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: hardware)
-    assert resolve_dtype("auto", checkpoint, CPU) == torch.float32
+    monkeypatch.setattr(cpu_kernels, "bf16_dot_products", lambda: dot_products)
+    half = checkpoint in ("bfloat16", "float16")
+    want = torch.bfloat16 if half and hardware is not None and dot_products else torch.float32
+    assert resolve_dtype("auto", checkpoint, CPU) == want
 
 
 def test_an_explicit_dtype_is_kept_and_a_gpu_takes_the_checkpoints_half_precision(monkeypatch):
@@ -39,12 +44,17 @@ def test_the_hardware_is_read_from_the_cpus_flags(monkeypatch):
     assert cpu_kernels.bf16_hardware() is None
 
 
-def test_the_reason_says_where_bfloat16_would_pay(monkeypatch):
+def test_the_reason_names_what_decided(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: "avx512_bf16")
+    monkeypatch.setattr(cpu_kernels, "bf16_dot_products", lambda: True)
     dtype, why = model_runner._resolve_dtype("auto", "bfloat16", CPU)
-    assert dtype == torch.float32 and "avx512_bf16" in why and "dtype='bfloat16'" in why
+    assert dtype == torch.bfloat16 and "avx512_bf16" in why and "bfloat16 checkpoint" in why
+    monkeypatch.setattr(cpu_kernels, "bf16_dot_products", lambda: False)
+    assert "built without" in model_runner._resolve_dtype("auto", "bfloat16", CPU)[1]
     monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: None)
-    assert model_runner._resolve_dtype("auto", "bfloat16", CPU) == (torch.float32, "auto")
+    assert model_runner._resolve_dtype("auto", "bfloat16", CPU) == (torch.float32,
+                                                                   "auto: this CPU has no bfloat16 units")
+    assert "float32 dtype" in model_runner._resolve_dtype("auto", "float32", CPU)[1]
 
 
 def test_the_engine_logs_its_dtype_and_why(caplog):

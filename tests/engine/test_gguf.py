@@ -52,7 +52,7 @@ def test_greedy_tokens_equal_transformers_loading_the_same_file(tmp_path, arch, 
     # transformers reads no head_dim from a qwen3 file and takes its default, 128.
     overrides = {"head_dim": 128} if arch == "qwen3" else {}
     path = write_gguf(tmp_path / "model.gguf", arch, tensor_type, **overrides)
-    llm = LLM(str(path), device="cpu")
+    llm = LLM(str(path), device="cpu", dtype="float32")  # (transformers runs it in float32)
     prompts = [llm.tokenizer.encode(text) for text in ("Hello there", "The quick brown fox", "1, 2, 3,")]
     reference = hf_gguf_model(path)
     for ids in prompts:
@@ -64,9 +64,9 @@ def test_q_and_k_are_unpermuted_from_ggmls_rope_layout(tmp_path):
     numbers): the same logits. Without the un-permutation, Q and K rotate the wrong pairs and they differ."""
     path = write_gguf(tmp_path / "model.gguf", "llama", "F32")
     ids = [1, 40, 41, 42, 43, 44, 45, 46]
-    from_gguf = LLM(str(path), device="cpu").generate({"prompt_token_ids": ids}, SamplingParams(
+    from_gguf = LLM(str(path), device="cpu", dtype="float32").generate({"prompt_token_ids": ids}, SamplingParams(
         max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
-    from_dir = LLM(str(tmp_path / "hf"), device="cpu").generate({"prompt_token_ids": ids}, SamplingParams(
+    from_dir = LLM(str(tmp_path / "hf"), device="cpu", dtype="float32").generate({"prompt_token_ids": ids}, SamplingParams(
         max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
     for got, want in zip(from_gguf[1:], from_dir[1:]):
         assert got.keys() == want.keys()
@@ -234,6 +234,20 @@ def test_the_real_model_knows_the_capital_of_france(smollm2):
     out = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_auto_dtype_knows_the_capital_of_france_computed_whole_and_from_the_prefix_cache():
+    """What `make run` answers first, in the dtype it runs in: ``auto`` (bfloat16 where this CPU has bf16 units
+    and the kernels use them, else float32). A bf16 residual stream moved this near-tie (float32 puts "The"
+    0.08 ahead of "L") to "L'Étoile, ..."; the float32 stream under bf16 layers keeps it."""
+    llm = LLM(SMOLLM2, device="cpu", dtype="auto")
+    if llm.engine.runner.dtype == torch.bfloat16:
+        assert llm.engine.runner.model.residual_dtype == torch.float32
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    for computed in ("whole", "from the prefix cache"):
+        out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+        assert out.text.startswith("The capital of France is Paris"), (computed, out.text)
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
 
 
 def test_the_real_tokenizer_splits_digits_as_llama_cpp_does_and_else_matches_transformers(smollm2):

@@ -207,3 +207,14 @@ def test_linear_on_dot_products_reads_no_input_past_a_row():
     got = cpu_kernels.linear_pairs(x[:, :5], cpu_kernels.pack_linear_pairs(torch.ones(3, 5, dtype=torch.bfloat16)),
                                    None, 3)
     assert got[0].tolist() == [5.0, 5.0, 5.0] and got[1].isnan().all()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 13, 300])
+def test_rms_norm_with_a_float32_residual_stream(num_tokens, lanes):
+    """Under bf16 layers the stream may be float32: the sum is kept unrounded, and normalised from it."""
+    x, weight = bf16(randn(num_tokens, 576, seed=30)), bf16(1 + randn(576, seed=31, scale=0.1))
+    residual = randn(num_tokens, 576, seed=32)
+    want_stream = residual + x.float()
+    got = cpu_kernels.rms_norm(x, weight, 1e-5, residual)
+    assert residual.dtype == torch.float32 and torch.equal(residual, want_stream)
+    within_one_unit(got, rounded(cpu_kernels.rms_norm(want_stream, weight.float(), 1e-5)))
