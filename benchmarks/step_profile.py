@@ -71,6 +71,8 @@ def instrument(engine) -> KindTimers:
                 timers.wrap(module, "forward", "linears")
         timers.wrap(layer.self_attn, "rope", "elementwise")
     timers.wrap(model.lm_head, "forward", "lm head")
+    if hasattr(model.lm_head, "float32_forward"):  # (bf16 on the CPU kernels: float32 logits, cpu_packing.py)
+        timers.wrap(model.lm_head, "float32_forward", "lm head")
     timers.wrap(model.model.embed_tokens, "forward", "elementwise")
     timers.wrap(runner.backend, "forward", "attention")
     timers.wrap(runner.backend, "store_kv", "attention")
