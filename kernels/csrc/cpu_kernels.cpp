@@ -269,10 +269,26 @@ static void decode_scores_dot(const bf16* __restrict query, const bf16* __restri
     }
 }
 
+// Two keys' rows of V (32 dimensions each) as pairs for vdpbf16ps: lane i of ``lo`` and ``hi`` holds the two keys'
+// values of one dimension. unpacklo/hi interleave within 128-bit lanes, which scrambles the dimensions: lo holds
+// 0-3, 8-11, 16-19, 24-27 and hi the others, so sums over pairs come out scrambled too, and unscrambled_values
+// puts them back in order once, at the end.
+static inline __attribute__((always_inline)) void value_pairs(__m512i x, __m512i y, __m512bh& lo, __m512bh& hi) {
+    lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+    hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+}
+
+// Dimensions 0-15 (``half`` 0) or 16-31 (1) of sums over value_pairs' lo and hi lanes, in order.
+static inline __attribute__((always_inline)) vecf unscrambled_values(__m512 lo, __m512 hi, int half) {
+    static const __m512i order[2] = {_mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                                     _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31)};
+    return (vecf)_mm512_permutex2var_ps(lo, order[half], hi);
+}
+
 // Pass 3 of decode_task in bf16 on dot products: out_g = inv_sum_g * sum_t p[g, t] v_t, two keys per vdpbf16ps.
 // The weights are rounded to bf16 pairs (as transformers' bf16 attention rounds them before its matmul); two
-// rows of V are interleaved into pairs with unpacklo/hi (which scrambles the dimensions within 32: undone once
-// at the end). A block's odd last key pairs with a zero. Query heads in chunks whose accumulators fit registers.
+// rows of V are interleaved into pairs (value_pairs). A block's odd last key pairs with a zero. Query heads in
+// chunks whose accumulators fit registers.
 template <int HEAD_DIM>
 static void decode_values_dot(const float* __restrict scores, const bf16* __restrict v_head,
                               const int64_t* __restrict table, int64_t seq_len, int64_t group,
@@ -283,8 +299,6 @@ static void decode_values_dot(const float* __restrict scores, const bf16* __rest
     constexpr int W_MAX = (HEAD_DIM > 0 ? HEAD_DIM : 256) / 32;
     constexpr int G_CHUNK = HEAD_DIM > 0 && HEAD_DIM <= 64 ? 4 : (HEAD_DIM == 128 ? 2 : 1);
     const int64_t block_values = block_size * head_dim;
-    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t g0 = 0; g0 < group; g0 += G_CHUNK) {
         const int64_t gs = std::min<int64_t>(G_CHUNK, group - g0);
         __m512 a[G_CHUNK][2 * W_MAX];
@@ -296,19 +310,17 @@ static void decode_values_dot(const float* __restrict scores, const bf16* __rest
             if (first + block_size < seq_len) prefetch_block(v_head + table[first / block_size + 1] * block_values, block_values);
             for (int64_t j = 0; j < n; j += 2) {
                 const bool pair = j + 1 < n;
-                __m512i lo[W_MAX], hi[W_MAX];
-                for (int c = 0; c < W; ++c) {
-                    const __m512i x = _mm512_loadu_si512(v + j * head_dim + c * 32);
-                    const __m512i y = pair ? _mm512_loadu_si512(v + (j + 1) * head_dim + c * 32) : _mm512_setzero_si512();
-                    lo[c] = _mm512_unpacklo_epi16(x, y);
-                    hi[c] = _mm512_unpackhi_epi16(x, y);
-                }
+                __m512bh lo[W_MAX], hi[W_MAX];
+                for (int c = 0; c < W; ++c)
+                    value_pairs(_mm512_loadu_si512(v + j * head_dim + c * 32),
+                                pair ? _mm512_loadu_si512(v + (j + 1) * head_dim + c * 32) : _mm512_setzero_si512(),
+                                lo[c], hi[c]);
                 for (int64_t g = 0; g < gs; ++g) {
                     const float* p = scores + (g0 + g) * seq_len + first + j;
                     const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(bf16_pair(p[0], pair ? p[1] : 0.f)));
                     for (int c = 0; c < W; ++c) {
-                        a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], w, (__m512bh)lo[c]);
-                        a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], w, (__m512bh)hi[c]);
+                        a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], w, lo[c]);
+                        a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], w, hi[c]);
                     }
                 }
             }
@@ -317,8 +329,8 @@ static void decode_values_dot(const float* __restrict scores, const bf16* __rest
             const vecf norm = vecf{} + inv_sum[g0 + g];
             for (int c = 0; c < W; ++c) {
                 bf16* dst = out + (g0 + g) * head_dim + c * 32;
-                storev(dst, (vecf)_mm512_permutex2var_ps(a[g][2 * c], first16, a[g][2 * c + 1]) * norm);
-                storev(dst + 16, (vecf)_mm512_permutex2var_ps(a[g][2 * c], second16, a[g][2 * c + 1]) * norm);
+                storev(dst, unscrambled_values(a[g][2 * c], a[g][2 * c + 1], 0) * norm);
+                storev(dst + 16, unscrambled_values(a[g][2 * c], a[g][2 * c + 1], 1) * norm);
             }
         }
     }
@@ -434,18 +446,12 @@ static void for_each_causal_tile(int64_t num_tokens, int64_t num_heads, int64_t 
     }
 }
 
-// A causal tile's softmax and V pass, once its scores [CAUSAL_ROWS, padded_keys] are in: an exact softmax per
-// row over the keys it sees, then out_r = sum_j p[r, j] v_j in float32 (V widened as it is read). Shared by
-// causal_tile and, in bf16 on dot products, causal_tile_dot (whose weights stay float32 too: rounding them to bf16
-// for dot products, as transformers' bf16 attention does, turned the real model's first answer token at a
-// near-tie: "L'" for "The" asked for France's capital).
-template <class T>
-static void causal_softmax_values(float* __restrict scores, int64_t padded_keys, const T* __restrict value,
-                                  T* __restrict out, int64_t first_row, int64_t num_rows, int64_t head,
-                                  int64_t kv_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+// A causal tile's softmax, once its scores [CAUSAL_ROWS, padded_keys] are in: row r's scores over the keys it sees
+// (0 .. first_row + r) <- exp(s - max), inv_sum[r] <- 1 / their sum; the keys after it and the padding rows: zero.
+static void causal_softmax(float* __restrict scores, int64_t padded_keys, int64_t first_row, int64_t num_rows,
+                           float* __restrict inv_sum) {
     const int64_t num_keys = first_row + num_rows;
-    float inv_sum[CAUSAL_ROWS];
-    for (int64_t r = 0; r < num_rows; ++r) {  // an exact softmax over the keys row r sees: 0 .. first_row + r
+    for (int64_t r = 0; r < num_rows; ++r) {
         float* __restrict s = scores + r * padded_keys;
         const int64_t visible = first_row + r + 1;
         inv_sum[r] = 1.f / exp_in_place(s, visible);
@@ -455,8 +461,15 @@ static void causal_softmax_values(float* __restrict scores, int64_t padded_keys,
         std::fill_n(scores + r * padded_keys, num_keys, 0.f);
         inv_sum[r] = 0.f;
     }
-    // out_r = sum_j p[r, j] v_j, COL_VECS vectors of columns at a time: each V row read once per sweep for the
-    // tile's rows
+}
+
+// A causal tile's V pass after causal_softmax: out_r = inv_sum_r * sum_j p[r, j] v_j in float32 (V widened as it
+// is read), COL_VECS vectors of columns at a time: each V row read once per sweep for the tile's rows.
+template <class T>
+static void causal_values(const float* __restrict scores, int64_t padded_keys, const T* __restrict value,
+                          T* __restrict out, int64_t first_row, int64_t num_rows, int64_t head, int64_t kv_head,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const float* __restrict inv_sum) {
+    const int64_t num_keys = first_row + num_rows;
     const int64_t v_stride = num_kv_heads * head_dim;
     const T* v_head = value + kv_head * head_dim;
     for (int64_t c0 = 0; c0 < head_dim; c0 += COL_VECS * KEY_VEC) {
@@ -515,8 +528,10 @@ static void causal_tile(const T* __restrict query, const float* __restrict kt, c
 #pragma GCC unroll 8
         for (int64_t r = 0; r < CAUSAL_ROWS; ++r) storev(scores + r * padded_keys + j0, acc[r]);
     }
-    causal_softmax_values(scores, padded_keys, value, out, first_row, num_rows, head, kv_head, num_heads, num_kv_heads,
-                          head_dim);
+    float inv_sum[CAUSAL_ROWS];
+    causal_softmax(scores, padded_keys, first_row, num_rows, inv_sum);
+    causal_values(scores, padded_keys, value, out, first_row, num_rows, head, kv_head, num_heads, num_kv_heads, head_dim,
+                  inv_sum);
 }
 
 // -- Decode-sized linears -------------------------------------------------------------------------------------
@@ -612,10 +627,67 @@ static __attribute__((noinline)) void linear_block(const T* x, const T* w, const
 // contiguous. Token t attends to tokens 0..t. head_dim a multiple of 32 up to 256 (the caller checks: other
 // sizes return without writing); num_heads a multiple of num_kv_heads.
 #if INFLIGHT_BF16_DOT
+// A causal tile's V pass on dot products, after causal_softmax: out_r = inv_sum_r * sum_j p[r, j] v_j, two keys per
+// vdpbf16ps, the weights rounded to bf16 (as transformers' bf16 attention and the decode V pass round them): half
+// the instructions of causal_values. Keys 0 .. first_row, which every row of the tile sees, go in pairs
+// (value_pairs); the rest (an odd one out, and the tile's own later keys, each only for the rows that see it: a
+// zero weight would still carry a later token's inf into an earlier row) one at a time, from the same weights.
+static void causal_values_dot(float* __restrict scores, int64_t padded_keys, const bf16* __restrict value,
+                              bf16* __restrict out, int64_t first_row, int64_t num_rows, int64_t head, int64_t kv_head,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              const float* __restrict inv_sum) {
+    const int64_t num_keys = first_row + num_rows;
+    const int64_t paired = (first_row + 1) / 2 * 2;
+    // Each row's weights rounded to bf16 in place, at the start of its float row: value i's 2 bytes lie before
+    // float i's 4, and a sweep of KEY_VEC reads its floats before it writes.
+    bf16* weights[CAUSAL_ROWS];
+    for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
+        float* s = scores + r * padded_keys;
+        weights[r] = reinterpret_cast<bf16*>(s);
+        for (int64_t j = 0; j < padded_keys; j += KEY_VEC)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights[r] + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
+    }
+    const int64_t v_stride = num_kv_heads * head_dim;
+    const bf16* __restrict v_head = value + kv_head * head_dim;
+    for (int64_t c0 = 0; c0 < head_dim; c0 += 32) {
+        __m512 a[CAUSAL_ROWS][2];
+        for (int64_t r = 0; r < CAUSAL_ROWS; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < paired; j += 2) {
+            __m512bh lo, hi;
+            value_pairs(_mm512_loadu_si512(v_head + j * v_stride + c0), _mm512_loadu_si512(v_head + (j + 1) * v_stride + c0),
+                        lo, hi);
+#pragma GCC unroll 8
+            for (int64_t r = 0; r < CAUSAL_ROWS; ++r) {
+                uint32_t pair;
+                std::memcpy(&pair, weights[r] + j, 4);
+                const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+                a[r][0] = _mm512_dpbf16_ps(a[r][0], w, lo);
+                a[r][1] = _mm512_dpbf16_ps(a[r][1], w, hi);
+            }
+        }
+        vecf sum[CAUSAL_ROWS][2];
+        for (int64_t r = 0; r < CAUSAL_ROWS; ++r)
+            for (int half = 0; half < 2; ++half) sum[r][half] = unscrambled_values(a[r][0], a[r][1], half);
+        for (int64_t j = paired; j < num_keys; ++j) {
+            const vecf v0 = loadv(v_head + j * v_stride + c0), v1 = loadv(v_head + j * v_stride + c0 + 16);
+            for (int64_t r = j - first_row > 0 ? j - first_row : 0; r < num_rows; ++r) {  // rows that see key j
+                const float p = to_float(weights[r][j]);
+                sum[r][0] += p * v0;
+                sum[r][1] += p * v1;
+            }
+        }
+        for (int64_t r = 0; r < num_rows; ++r) {
+            bf16* __restrict dst = out + ((first_row + r) * num_heads + head) * head_dim + c0;
+            storev(dst, sum[r][0] * inv_sum[r]);
+            storev(dst + 16, sum[r][1] * inv_sum[r]);
+        }
+    }
+}
+
 // bf16 causal attention with its scores on AVX-512 BF16's dot products (vdpbf16ps: two bf16 products and a
 // float32 sum per lane), half the instructions of widening to float32 and fusing multiply-adds: the tile of
 // causal_tile, with K laid out in pairs of dimensions ([head_dim / 2][keys][2]: a lane's pair is one key's two
-// dimensions), built once per call. Products are exact and sums float32; the V pass is causal_tile's.
+// dimensions), built once per call. Products are exact and sums float32; the V pass is causal_values_dot.
 static void causal_tile_dot(const bf16* __restrict query, const bf16* __restrict kt2, const bf16* __restrict value, bf16* __restrict out, int64_t first_row, int64_t num_rows,
                             int64_t head, int64_t kv_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t keys_stride, float scale, float* __restrict scores) {
@@ -642,8 +714,10 @@ static void causal_tile_dot(const bf16* __restrict query, const bf16* __restrict
 #pragma GCC unroll 8
         for (int64_t r = 0; r < CAUSAL_ROWS; ++r) storev(scores + r * padded_keys + j0, (vecf)acc[r] * scale_v);
     }
-    causal_softmax_values(scores, padded_keys, value, out, first_row, num_rows, head, kv_head, num_heads, num_kv_heads,
-                          head_dim);
+    float inv_sum[CAUSAL_ROWS];
+    causal_softmax(scores, padded_keys, first_row, num_rows, inv_sum);
+    causal_values_dot(scores, padded_keys, value, out, first_row, num_rows, head, kv_head, num_heads, num_kv_heads,
+                      head_dim, inv_sum);
 }
 
 // causal_attention for bf16 on the dot-product instructions: K re-laid in pairs once per call.
@@ -876,64 +950,67 @@ static void linear(const T* x, const T* packed, const T* bias, T* y, int64_t num
 // inputs (broadcast) and adds both products to the 16 sums: half the instructions of float32 multiply-adds and no
 // widening. Rows in groups of DOT_ROWS, two column blocks per pass: 16 accumulators in registers, each weight
 // vector loaded once per group. Sums in float32, rounded once on store.
+// (16 rows of one block, each weight vector loaded once for them all, was 25-35% slower at 16-512 rows on Zen 4, and
+// prefetching the weights 512 or 2,048 bytes ahead changed nothing: benchmarks.md, issue 47.)
 constexpr int DOT_ROWS = 8;
+constexpr int DOT_BLOCKS = 2;
 
-template <int ROWS, class O>
+template <int ROWS, int B, class O>
 static inline __attribute__((always_inline)) void linear_dot_rows(const bf16* __restrict x, int64_t stride_x,
                                                                   const bf16* __restrict w, int64_t block_stride,
-                                                                  int blocks, const bf16* __restrict bias,
+                                                                  const bf16* __restrict bias,
                                                                   O* __restrict y, int64_t stride_y, int64_t k,
                                                                   int64_t cols) {
-    __m512 acc[ROWS][2];
-    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m512 acc[ROWS][B];
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < B; ++c) acc[r][c] = _mm512_setzero_ps();
     const int64_t pairs = k / 2;
     for (int64_t i = 0; i < pairs; ++i) {
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i * 32);
-        const __m512bh w1 = blocks > 1 ? (__m512bh)_mm512_loadu_si512(w + block_stride + i * 32) : w0;
-#pragma GCC unroll 8
+        __m512bh wv[B];
+        for (int c = 0; c < B; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * block_stride + i * 32);
+#pragma GCC unroll 16
         for (int r = 0; r < ROWS; ++r) {
             uint32_t pair;
             std::memcpy(&pair, x + r * stride_x + 2 * i, 4);
             const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
-            if (blocks > 1) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+            for (int c = 0; c < B; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
         }
     }
     if (k % 2) {  // the last input pairs with zero (x is not read past its row)
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + pairs * 32);
-        const __m512bh w1 = blocks > 1 ? (__m512bh)_mm512_loadu_si512(w + block_stride + pairs * 32) : w0;
+        __m512bh wv[B];
+        for (int c = 0; c < B; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * block_stride + pairs * 32);
         for (int r = 0; r < ROWS; ++r) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * stride_x + k - 1]));
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
-            if (blocks > 1) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+            for (int c = 0; c < B; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
         }
     }
     for (int r = 0; r < ROWS; ++r) {
-        float out[32];
-        _mm512_storeu_ps(out, acc[r][0]);
-        _mm512_storeu_ps(out + 16, acc[r][1]);
+        float out[16 * B];
+        for (int c = 0; c < B; ++c) _mm512_storeu_ps(out + 16 * c, acc[r][c]);
         O* dst = y + r * stride_y;
         for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<O>(bias != nullptr ? out[c] + to_float(bias[c]) : out[c]);
     }
 }
 
-template <class O>
-static __attribute__((noinline)) void linear_dot_block(const bf16* x, const bf16* w, int64_t block_stride, int blocks,
+// The last rows (fewer than DOT_ROWS), unrolled for their count.
+template <int B, class O, int R = DOT_ROWS - 1>
+static inline void linear_dot_tail(int64_t rows, const bf16* x, int64_t stride_x, const bf16* w, int64_t block_stride,
+                                   const bf16* bias, O* y, int64_t stride_y, int64_t k, int64_t cols) {
+    if constexpr (R > 0) {
+        if (rows == R) linear_dot_rows<R, B, O>(x, stride_x, w, block_stride, bias, y, stride_y, k, cols);
+        else linear_dot_tail<B, O, R - 1>(rows, x, stride_x, w, block_stride, bias, y, stride_y, k, cols);
+    }
+}
+
+// B column blocks (16 columns each) for every row.
+template <int B, class O>
+static __attribute__((noinline)) void linear_dot_block(const bf16* x, const bf16* w, int64_t block_stride,
                                                        const bf16* bias, O* y, int64_t num_rows, int64_t k,
                                                        int64_t n, int64_t stride_x, int64_t cols) {
     int64_t r = 0;
     for (; r + DOT_ROWS <= num_rows; r += DOT_ROWS)
-        linear_dot_rows<DOT_ROWS, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols);
-    switch (num_rows - r) {  // the last few rows, unrolled for their count
-        case 0: break;
-        case 1: linear_dot_rows<1, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 2: linear_dot_rows<2, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 3: linear_dot_rows<3, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 4: linear_dot_rows<4, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 5: linear_dot_rows<5, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        case 6: linear_dot_rows<6, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-        default: linear_dot_rows<7, O>(x + r * stride_x, stride_x, w, block_stride, blocks, bias, y + r * n, n, k, cols); break;
-    }
+        linear_dot_rows<DOT_ROWS, B, O>(x + r * stride_x, stride_x, w, block_stride, bias, y + r * n, n, k, cols);
+    linear_dot_tail<B, O>(num_rows - r, x + r * stride_x, stride_x, w, block_stride, bias, y + r * n, n, k, cols);
 }
 
 template <class O>
@@ -941,14 +1018,18 @@ static void linear_pairs(const bf16* x, const bf16* packed, const bf16* bias, O*
                          int64_t k, int64_t stride_x, int num_threads) {
     const int64_t num_blocks = (n + 15) / 16;
     const int64_t block_stride = (k + 1) / 2 * 32;  // bf16 values in one block of 16 columns
-    const int64_t num_tasks = (num_blocks + 1) / 2;  // two column blocks per task
+    const int64_t num_tasks = (num_blocks + DOT_BLOCKS - 1) / DOT_BLOCKS;  // DOT_BLOCKS column blocks per task
 #pragma omp parallel for num_threads(num_threads) if (worth_threads(num_rows * n * k / 8))
     for (int64_t t = 0; t < num_tasks; ++t) {
-        const int64_t b = 2 * t;
-        const int blocks = static_cast<int>(std::min<int64_t>(2, num_blocks - b));
-        linear_dot_block(x, packed + b * block_stride, block_stride, blocks,
-                         bias != nullptr ? bias + b * 16 : nullptr, y + b * 16, num_rows, k, n, stride_x,
-                         std::min<int64_t>(32, n - b * 16));
+        const int64_t b = DOT_BLOCKS * t;
+        const bf16* block_bias = bias != nullptr ? bias + b * 16 : nullptr;
+        const int64_t cols = std::min<int64_t>(16 * DOT_BLOCKS, n - b * 16);
+        if (b + DOT_BLOCKS <= num_blocks)
+            linear_dot_block<DOT_BLOCKS>(x, packed + b * block_stride, block_stride, block_bias, y + b * 16, num_rows, k,
+                                         n, stride_x, cols);
+        else  // the last, odd block: alone (the packed weight ends there)
+            linear_dot_block<1>(x, packed + b * block_stride, block_stride, block_bias, y + b * 16, num_rows, k, n,
+                                stride_x, cols);
     }
 }
 #endif
