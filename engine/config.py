@@ -48,6 +48,11 @@ class EngineConfig:
     # max_utilization: admit while blocks for the next chunk exist, preempt on shortage (vLLM).
     # guaranteed_no_evict: admit only when prompt + max_tokens fits, so nothing is ever preempted (TensorRT-LLM).
     admission_mode: str = "max_utilization"
+    # max_utilization admits a request only if, beside its whole prompt and this many tokens of its output, every
+    # running request keeps blocks for the rest of its prompt and this many more tokens: admitting past that
+    # only lets decode growth preempt someone (and recompute it) a few steps later. 0: admit while the next
+    # chunk fits, as vLLM does.
+    kv_headroom_tokens: int = 16
     enable_prefix_caching: bool = True  # share full KV blocks between requests by content hash
     # A preempted request's KV is recomputed later, or swapped to host memory (up to swap_space_bytes) and
     # copied back. auto: per victim, whichever costs less time (tokens to recompute vs bytes to copy).
@@ -127,6 +132,9 @@ class EngineConfig:
             raise bad("max_queue_wait_s", "must be a number of seconds > 0, or None for no aging")
         if self.admission_mode not in ADMISSION_MODES:
             raise bad("admission_mode", f"must be one of {ADMISSION_MODES}")
+        if not isinstance(self.kv_headroom_tokens, int) or isinstance(self.kv_headroom_tokens, bool) \
+                or self.kv_headroom_tokens < 0:
+            raise bad("kv_headroom_tokens", "must be an integer >= 0")
         if not isinstance(self.enable_prefix_caching, bool):
             raise bad("enable_prefix_caching", "must be true or false")
         if self.preemption_mode not in PREEMPTION_MODES:

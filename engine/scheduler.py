@@ -463,8 +463,11 @@ class ContinuousScheduler(Scheduler):
     Each step, in this order:
       1. every running request advances: decodes take one token each, then unfinished prefills
          take chunks from what is left of the token budget;
-      2. waiting requests are admitted in ``rank`` order while a batch slot, budget and blocks remain.
-         A request's cached prefix (``enable_prefix_caching``) is taken over, not computed. With
+      2. waiting requests are admitted in ``rank`` order while a batch slot, budget and blocks remain:
+         blocks for the request's whole prompt and ``kv_headroom_tokens`` of output, beside the same for every
+         running request (``_headroom_blocks``), so that admitting does not make decode growth preempt
+         someone a few steps later. A request's cached prefix (``enable_prefix_caching``) is taken over,
+         not computed. With
          ``admission_mode="guaranteed_no_evict"`` a request is admitted only if blocks for its whole
          prompt + max_tokens can be reserved now, so nothing is ever preempted;
       3. if blocks run out, the running request ranked last (aged requests last of all, then the
@@ -548,6 +551,8 @@ class ContinuousScheduler(Scheduler):
         # Without priorities or aging the queue's own (arrival) order is the rank order: no need to search it.
         by_rank = config.scheduling_policy != "fcfs" or config.max_queue_wait_s is not None
         preempted_now: set[Request] = set()
+        # (None: no headroom asked for, or every request reserves its whole max_tokens anyway)
+        running_headroom = None if guaranteed or not config.kv_headroom_tokens else self._headroom_blocks(self.running)
         while self.waiting and budget > 0:
             request = min(self.waiting, key=lambda r: self.rank(r, now)) if by_rank else self.waiting[0]
             if request in preempted_now:
@@ -558,7 +563,10 @@ class ContinuousScheduler(Scheduler):
                 request.num_computed_tokens = hit
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             wanted = request.max_total_tokens if guaranteed else request.num_computed_tokens + num_new
-            if len(self.running) < config.max_num_seqs and kv.allocate(request.request_id, wanted):
+            fits = len(self.running) < config.max_num_seqs and (
+                running_headroom is None or not self.running
+                or self._headroom_blocks([request]) + running_headroom <= kv.pool.num_free)
+            if fits and kv.allocate(request.request_id, wanted):
                 self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -571,6 +579,8 @@ class ContinuousScheduler(Scheduler):
                     request.swapped_blocks = None
                 scheduled[request] = num_new
                 budget -= num_new
+                if running_headroom is not None:
+                    running_headroom += self._headroom_blocks([request])
                 self.num_prefix_query_tokens += request.num_tokens
                 self.num_prefix_hit_tokens += hit
                 continue
@@ -582,6 +592,19 @@ class ContinuousScheduler(Scheduler):
                 break
             preempted_now.add(victim)
             budget = config.max_num_batched_tokens - sum(scheduled.values())
+            if running_headroom is not None:
+                running_headroom = self._headroom_blocks(self.running)
+
+    def _headroom_blocks(self, requests: list[Request]) -> int:
+        """Blocks the requests still need for their whole prompts and ``kv_headroom_tokens`` more tokens each
+        (up to their max_tokens), beyond the blocks they hold."""
+        headroom, kv = self.config.kv_headroom_tokens, self.kv
+        need = 0
+        for request in requests:
+            held = len(kv.block_tables.get(request.request_id, ()))
+            target = min(len(request.all_token_ids) + headroom, request.max_total_tokens)
+            need += max(0, kv.num_blocks_for(target) - held)
+        return need
 
     def _make_room_for(self, request: Request, scheduled: dict[Request, int], now: float) -> Request | None:
         """Preempt the last-ranked running request if ``request`` outranks it by age or priority (not by

@@ -18,8 +18,10 @@ VOCAB_SIZE = 263
 
 # Small KV pool and batch by default: tests never rely on the CPU default of 1 GiB of KV. float32 everywhere: the
 # test checkpoints and transformers' reference are float32, and on a GPU dtype auto would run them in bfloat16.
+# kv_headroom_tokens=0: admit while the next chunk fits, so that the small pools these tests size to force
+# preemption do force it (admission with headroom avoids most preemptions: test_scheduler.py tests that).
 ENGINE_DEFAULTS: dict[str, Any] = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
-                                       dtype="float32")
+                                       dtype="float32", kv_headroom_tokens=0)
 
 
 def make_engine(model: str = "demo-tiny", **overrides: Any) -> LLMEngine:
@@ -67,7 +69,7 @@ def generate_ids(engine: LLMEngine, prompts: list[list[int]], params: list[Sampl
 # -- scheduler-level helpers --------------------------------------------------------------------------
 
 def make_config(**overrides: Any) -> EngineConfig:
-    values = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    values = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, kv_headroom_tokens=0)  # (ENGINE_DEFAULTS)
     values.update(overrides)
     return EngineConfig.from_kwargs(**values)
 

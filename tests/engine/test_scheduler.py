@@ -231,3 +231,51 @@ def test_static_member_aborted_before_prefill_is_not_a_bogus_padding_row():
         for rid, start, qlen in zip(out.request_ids, out.start_positions, out.query_lens):
             assert start >= 0 and qlen >= 1, f"row {rid} at position {start}: nothing of it is in the cache"
     assert a.num_output_tokens == 4 and blocks_used(scheduler) == 0
+
+
+# -- admission headroom (kv_headroom_tokens) ---------------------------------------------------------------
+
+def _run_to_the_end(scheduler, max_steps: int = 500) -> None:
+    for _ in range(max_steps):
+        if not scheduler.running and not scheduler.waiting:
+            return
+        fake_step(scheduler)
+    raise AssertionError("the scheduler did not finish its requests")
+
+
+def test_admission_headroom_spares_the_preemptions_decode_growth_causes():
+    """Twelve requests of 16 prompt tokens and 12 outputs (7 blocks of 4 each) on 16 blocks. Admitted while the
+    next chunk fits (0), a third prompt takes blocks the first two need to decode, and decode growth preempts
+    (and recomputes) requests; the more of each request's growth admission keeps free, the fewer; with all of
+    it (12), none."""
+    def preempted(headroom: int) -> tuple[int, int]:
+        scheduler = make_scheduler(num_kv_blocks=16, max_num_seqs=4, kv_headroom_tokens=headroom)
+        for request in make_requests([16] * 12, max_tokens=12):
+            scheduler.add(request)
+        _run_to_the_end(scheduler)
+        assert blocks_used(scheduler) == 0
+        return scheduler.num_preemptions, scheduler.num_recomputed_tokens
+
+    greedy, some, all_of_it = preempted(0), preempted(8), preempted(12)
+    assert greedy[0] > some[0] > 0 and greedy[1] > some[1]
+    assert all_of_it == (0, 0)
+
+
+def test_a_request_alone_is_admitted_whatever_the_headroom():
+    """With nothing running, a request whose prompt fits but whose prompt + headroom does not is still admitted
+    (it would otherwise wait for ever)."""
+    scheduler = make_scheduler(num_kv_blocks=4, max_num_seqs=2, kv_headroom_tokens=64)
+    (request,) = make_requests([15], max_tokens=1)
+    scheduler.add(request)
+    out, _ = fake_step(scheduler)
+    assert out.request_ids == ["r0"] and request.is_finished
+
+
+def test_kv_headroom_tokens_must_be_a_count():
+    import pytest
+
+    from tests.engine.helpers import make_config
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="kv_headroom_tokens"):
+            make_config(kv_headroom_tokens=bad)
