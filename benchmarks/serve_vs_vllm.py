@@ -88,9 +88,9 @@ ONE_THREAD_MAX_TOKENS = 4
 def bench_config(checkpoint: Path | str, num_threads: int | None = None, served_name: str = MODEL_NAME,
                  dtype: str | None = None) -> str:
     """configs/bench-vs-vllm.yaml for ``checkpoint`` (what our engine loads: a path or a packaged model's name)
-    served as ``served_name`` (in ``dtype``, when given: else the file's float32); with ``num_threads``, its engine computes with that many threads on no CPUs of its
-    own (no ``engine_cpus``: Ray's processes share every CPU with it), but for steps of at most
-    ``ONE_THREAD_MAX_TOKENS`` tokens (a decode of a few streams), which run on one."""
+    served as ``served_name`` (in ``dtype``, when given: else the file's float32); with ``num_threads``, its engine
+    computes with that many threads on no CPUs of its own (no ``engine_cpus``: Ray's processes share every CPU with
+    it), but for steps of at most ``ONE_THREAD_MAX_TOKENS`` tokens (a decode of a few streams), which run on one."""
     text = ((ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint))
             .replace("@SERVED_MODEL_NAME@", served_name))
     if num_threads is None and dtype is None:
@@ -99,11 +99,10 @@ def bench_config(checkpoint: Path | str, num_threads: int | None = None, served_
     app = config["applications"][0]["args"]
     if dtype is not None:
         app["engine_args"]["dtype"] = dtype
-    if num_threads is None:
-        return yaml.safe_dump(config, sort_keys=False)
-    app["engine_args"]["num_threads"] = num_threads
-    app["engine_args"]["one_thread_max_tokens"] = ONE_THREAD_MAX_TOKENS
-    del app["engine_cpus"]
+    if num_threads is not None:
+        app["engine_args"]["num_threads"] = num_threads
+        app["engine_args"]["one_thread_max_tokens"] = ONE_THREAD_MAX_TOKENS
+        del app["engine_cpus"]
     return yaml.safe_dump(config, sort_keys=False)
 
 

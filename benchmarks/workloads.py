@@ -416,8 +416,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Our engine's size, the same for every system compared."""
     parser.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="the dtype every system runs in; auto: what our engine picks for the model here "
-                             "(float32 on a CPU for now), resolved once and given to the peers too")
+                        help="the dtype every system runs in; auto: what our engine picks for the model on this CPU "
+                             "(bfloat16 for a half-precision or quantized checkpoint where the CPU has bfloat16 "
+                             "instructions and our kernels use them, else float32), resolved once and given to the "
+                             "peers too")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64,
                         help="batch slots of continuous batching (ours; hf-cb's max_requests_per_batch)")
     parser.add_argument("--static-batch-size", type=positive_int, default=8,

@@ -166,10 +166,10 @@ def _check_index(*tensors: torch.Tensor) -> None:
 
 
 def bf16_dot_products() -> bool:
-    """Whether this build's bfloat16 attention runs on AVX-512 BF16's dot products (heads of a multiple of 32;
-    causal: the scores; decode: the scores and the V pass, its softmax weights rounded to bfloat16 as transformers'
-    bf16 attention rounds them) rather than widening to float32 (the float32 kernel's result, rounded once); and
-    whether ``linear_pairs`` runs."""
+    """Whether this build's bfloat16 attention runs on AVX-512 BF16's dot products (heads of a multiple of 32; causal
+    and decode: the scores and the V pass, its softmax weights rounded to bfloat16 as transformers' bf16 attention
+    rounds them) rather than widening to float32 (the float32 kernel's result, rounded once); and whether
+    ``linear_pairs`` runs."""
     lib = load()
     return lib is not None and lib.has_bf16_dot
 

@@ -212,13 +212,6 @@ static inline __attribute__((always_inline)) vecf sum_each(const vecf* v) {
     return level[0];
 }
 
-// One (row, kv head) task: the group's query heads against the row's visible keys, in three passes: the scores
-// (VL keys' dot products summed together by sum_each), a softmax per query head, the weighted sum of V (a block
-// at a time, each query head's accumulators in registers). head_dim is a multiple of 16: HEAD_DIM / VL vectors
-// per key, HEAD_DIM a compile-time constant for the common sizes and 0 for the runtime ``head_dim`` (at most
-// 256). ``scores`` holds group * seq_len floats, ``acc`` group * head_dim. 14 rows x 500 tokens (8 heads of 32, 4 kv
-// heads): 0.58 ms as plain loops (dot products summed one key at a time, accumulators in memory) against 0.44 on
-// vectors on the Sapphire Rapids VM; 0.26 against 0.20 on the Zen 3 VM.
 // Pass 2 of a decode task: scores [rows, n] <- exp(s - max) per row, inv_sum[row] <- 1 / their sum (the softmax,
 // normalised when the values are summed).
 static inline void softmax_rows(float* __restrict scores, int64_t rows, int64_t n, float* __restrict inv_sum) {
@@ -337,6 +330,13 @@ static void decode_values_dot(const float* __restrict scores, const bf16* __rest
 }
 #endif
 
+// One (row, kv head) task: the group's query heads against the row's visible keys, in three passes: the scores
+// (VL keys' dot products summed together by sum_each), a softmax per query head, the weighted sum of V (a block
+// at a time, each query head's accumulators in registers). head_dim is a multiple of 16: HEAD_DIM / VL vectors
+// per key, HEAD_DIM a compile-time constant for the common sizes and 0 for the runtime ``head_dim`` (at most
+// 256). ``scores`` holds group * seq_len floats, ``acc`` group * head_dim. 14 rows x 500 tokens (8 heads of 32, 4 kv
+// heads): 0.58 ms as plain loops (dot products summed one key at a time, accumulators in memory) against 0.44 on
+// vectors on the Sapphire Rapids VM; 0.26 against 0.20 on the Zen 3 VM.
 template <int HEAD_DIM, class T>
 static void decode_task(const T* __restrict query, const T* __restrict k_head,
                         const T* __restrict v_head, const int64_t* __restrict table, int64_t seq_len,
