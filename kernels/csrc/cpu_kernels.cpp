@@ -944,30 +944,47 @@ static void linear(const T* x, const T* packed, const T* bias, T* y, int64_t num
 #if INFLIGHT_BF16_DOT
 // -- bf16 linears on dot products ---------------------------------------------------------------------------
 //
-// y = x W^T (+ bias) for a decode step's few rows, W [n, k] bf16 packed once as [ceil(n / 16)][ceil(k / 2)][16][2]
-// (kernels/cpu_kernels.py's pack_linear_pairs): a block of 16 output columns is k / 2 vectors, each 16 columns'
-// pair of weights for two consecutive inputs, read in order. One vdpbf16ps multiplies a vector by a row's pair of
-// inputs (broadcast) and adds both products to the 16 sums: half the instructions of float32 multiply-adds and no
-// widening. Rows in groups of DOT_ROWS, two column blocks per pass: 16 accumulators in registers, each weight
-// vector loaded once per group. Sums in float32, rounded once on store.
-// (16 rows of one block, each weight vector loaded once for them all, was 25-35% slower at 16-512 rows on Zen 4, and
-// prefetching the weights 512 or 2,048 bytes ahead changed nothing: benchmarks.md, issue 47.)
+// y = x W^T (+ bias), W [n, k] bf16 packed once as [ceil(n / 16)][ceil(k / 2)][16][2] (kernels/cpu_kernels.py's
+// pack_linear_pairs): a block of 16 output columns is k / 2 vectors, each 16 columns' pair of weights for two
+// consecutive inputs, read in order. One vdpbf16ps multiplies a vector by a row's pair of inputs (broadcast) and adds
+// both products to the 16 sums: half the instructions of float32 multiply-adds and no widening. Rows in groups of
+// DOT_ROWS, DOT_BLOCKS column blocks per pass: 24 accumulators in registers, each weight vector loaded once per
+// group. Sums in float32, rounded once on store.
+// Measured on Zen 4, 2 threads, the model's layer linears with cold weights (2026-12-07, benchmarks.md): three
+// blocks beat two by 5-10% at 8-32 rows (fewer loads per dot product; 48 columns also split the model's widths
+// evenly); 16 rows of one block was 25-35% slower than 8 x 2 at 16-512 rows, and prefetching the weights a fixed
+// distance ahead within one pass changed nothing.
 constexpr int DOT_ROWS = 8;
-constexpr int DOT_BLOCKS = 2;
+constexpr int DOT_BLOCKS = 3;
+// With several row groups (up to DOT_CHUNKED_GROUPS), the inputs go in chunks of DOT_CHUNK pairs: every group over
+// a chunk before the next, the sums kept in memory between chunks, and the next chunk's weights prefetched into L2
+// a share by each group's pass. Each group over the whole input in turn read the weights from memory for the
+// first group (bandwidth-bound) and from L2 for the rest (compute-bound), the two times added: 16 rows took 1.45x
+// the time of 8. Chunked, 12-24 rows of the model's linears take 10-20% less; above 64 rows the weights are
+// reused enough that one pass per group is as fast, without the sums' round trips.
+constexpr int64_t DOT_CHUNK = 64;
+constexpr int64_t DOT_CHUNKED_GROUPS = 8;
 
-template <int ROWS, int B, class O>
+// ROWS rows' sums over input pairs [i0, i1), continued from acc (rows x B x 16 floats; zeros when i0 is 0) and
+// stored back there. With groups > 0, the weight vectors DOT_CHUNK pairs ahead of every pair i with i % groups ==
+// phase are prefetched into L2 (the groups of a chunk share the next chunk's lines; a prefetch past the weight's
+// end is harmless: it never faults).
+template <int ROWS, int B>
 static inline __attribute__((always_inline)) void linear_dot_rows(const bf16* __restrict x, int64_t stride_x,
                                                                   const bf16* __restrict w, int64_t block_stride,
-                                                                  const bf16* __restrict bias,
-                                                                  O* __restrict y, int64_t stride_y, int64_t k,
-                                                                  int64_t cols) {
+                                                                  float* __restrict acc_io, int64_t i0, int64_t i1,
+                                                                  int64_t k, int64_t phase, int64_t groups) {
     __m512 acc[ROWS][B];
     for (int r = 0; r < ROWS; ++r)
-        for (int c = 0; c < B; ++c) acc[r][c] = _mm512_setzero_ps();
-    const int64_t pairs = k / 2;
-    for (int64_t i = 0; i < pairs; ++i) {
+        for (int c = 0; c < B; ++c)
+            acc[r][c] = i0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io + (r * B + c) * 16);
+    const int64_t full = std::min(i1, k / 2);  // pairs of two real inputs
+    for (int64_t i = i0; i < full; ++i) {
         __m512bh wv[B];
         for (int c = 0; c < B; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * block_stride + i * 32);
+        if (groups > 0 && i % groups == phase)
+            for (int c = 0; c < B; ++c)
+                _mm_prefetch(reinterpret_cast<const char*>(w + c * block_stride + (i + DOT_CHUNK) * 32), _MM_HINT_T1);
 #pragma GCC unroll 16
         for (int r = 0; r < ROWS; ++r) {
             uint32_t pair;
@@ -976,41 +993,56 @@ static inline __attribute__((always_inline)) void linear_dot_rows(const bf16* __
             for (int c = 0; c < B; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
         }
     }
-    if (k % 2) {  // the last input pairs with zero (x is not read past its row)
+    if (i1 > full) {  // an odd k's last input pairs with zero (x is not read past its row)
         __m512bh wv[B];
-        for (int c = 0; c < B; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * block_stride + pairs * 32);
+        for (int c = 0; c < B; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * block_stride + full * 32);
         for (int r = 0; r < ROWS; ++r) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * stride_x + k - 1]));
             for (int c = 0; c < B; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
         }
     }
-    for (int r = 0; r < ROWS; ++r) {
-        float out[16 * B];
-        for (int c = 0; c < B; ++c) _mm512_storeu_ps(out + 16 * c, acc[r][c]);
-        O* dst = y + r * stride_y;
-        for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<O>(bias != nullptr ? out[c] + to_float(bias[c]) : out[c]);
-    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < B; ++c) _mm512_storeu_ps(acc_io + (r * B + c) * 16, acc[r][c]);
 }
 
 // The last rows (fewer than DOT_ROWS), unrolled for their count.
-template <int B, class O, int R = DOT_ROWS - 1>
+template <int B, int R = DOT_ROWS - 1>
 static inline void linear_dot_tail(int64_t rows, const bf16* x, int64_t stride_x, const bf16* w, int64_t block_stride,
-                                   const bf16* bias, O* y, int64_t stride_y, int64_t k, int64_t cols) {
+                                   float* acc, int64_t i0, int64_t i1, int64_t k, int64_t phase, int64_t groups) {
     if constexpr (R > 0) {
-        if (rows == R) linear_dot_rows<R, B, O>(x, stride_x, w, block_stride, bias, y, stride_y, k, cols);
-        else linear_dot_tail<B, O, R - 1>(rows, x, stride_x, w, block_stride, bias, y, stride_y, k, cols);
+        if (rows == R) linear_dot_rows<R, B>(x, stride_x, w, block_stride, acc, i0, i1, k, phase, groups);
+        else linear_dot_tail<B, R - 1>(rows, x, stride_x, w, block_stride, acc, i0, i1, k, phase, groups);
     }
 }
 
-// B column blocks (16 columns each) for every row.
+// B column blocks (16 columns each) for every row: in chunks of inputs (DOT_CHUNK) for a few row groups, else one
+// pass per group.
 template <int B, class O>
 static __attribute__((noinline)) void linear_dot_block(const bf16* x, const bf16* w, int64_t block_stride,
                                                        const bf16* bias, O* y, int64_t num_rows, int64_t k,
                                                        int64_t n, int64_t stride_x, int64_t cols) {
-    int64_t r = 0;
-    for (; r + DOT_ROWS <= num_rows; r += DOT_ROWS)
-        linear_dot_rows<DOT_ROWS, B, O>(x + r * stride_x, stride_x, w, block_stride, bias, y + r * n, n, k, cols);
-    linear_dot_tail<B, O>(num_rows - r, x + r * stride_x, stride_x, w, block_stride, bias, y + r * n, n, k, cols);
+    thread_local std::vector<float> sums;
+    sums.resize(num_rows * B * 16);
+    const int64_t pairs = (k + 1) / 2;
+    const int64_t num_groups = (num_rows + DOT_ROWS - 1) / DOT_ROWS;
+    // (one group reads the weights once whatever the order: the hardware prefetcher streams them)
+    const bool chunked = num_groups > 1 && num_groups <= DOT_CHUNKED_GROUPS;
+    const int64_t chunk = chunked ? DOT_CHUNK : pairs;
+    for (int64_t i0 = 0; i0 < pairs; i0 += chunk) {
+        const int64_t i1 = std::min(pairs, i0 + chunk);
+        const int64_t groups = i1 < pairs ? num_groups : 0;  // 0: nothing to prefetch
+        int64_t r = 0, g = 0;
+        for (; r + DOT_ROWS <= num_rows; r += DOT_ROWS, ++g)
+            linear_dot_rows<DOT_ROWS, B>(x + r * stride_x, stride_x, w, block_stride, sums.data() + r * B * 16, i0, i1,
+                                         k, g, g < groups ? groups : 0);
+        linear_dot_tail<B>(num_rows - r, x + r * stride_x, stride_x, w, block_stride, sums.data() + r * B * 16, i0,
+                           i1, k, g, g < groups ? groups : 0);
+    }
+    for (int64_t r = 0; r < num_rows; ++r) {
+        const float* out = sums.data() + r * B * 16;
+        O* dst = y + r * n;
+        for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<O>(bias != nullptr ? out[c] + to_float(bias[c]) : out[c]);
+    }
 }
 
 template <class O>
@@ -1027,9 +1059,11 @@ static void linear_pairs(const bf16* x, const bf16* packed, const bf16* bias, O*
         if (b + DOT_BLOCKS <= num_blocks)
             linear_dot_block<DOT_BLOCKS>(x, packed + b * block_stride, block_stride, block_bias, y + b * 16, num_rows, k,
                                          n, stride_x, cols);
-        else  // the last, odd block: alone (the packed weight ends there)
-            linear_dot_block<1>(x, packed + b * block_stride, block_stride, block_bias, y + b * 16, num_rows, k, n,
-                                stride_x, cols);
+        else  // the last blocks: one at a time (the packed weight ends there)
+            for (int64_t j = b; j < num_blocks; ++j)
+                linear_dot_block<1>(x, packed + j * block_stride, block_stride,
+                                    bias != nullptr ? bias + j * 16 : nullptr, y + j * 16, num_rows, k, n, stride_x,
+                                    std::min<int64_t>(16, n - j * 16));
     }
 }
 #endif

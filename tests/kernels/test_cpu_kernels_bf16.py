@@ -178,12 +178,14 @@ needs_dot = pytest.mark.skipif(not cpu_kernels.bf16_dot_products(),
 
 
 @needs_dot
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16])
-@pytest.mark.parametrize("in_features, out_features", [(576, 960), (1536, 576), (63, 100), (65, 17)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 33, 70])
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (1536, 576), (63, 100), (65, 17), (129, 48),
+                                                       (255, 50)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_on_dot_products_is_the_matmul(rows, in_features, out_features, with_bias):
-    """Odd inputs (the last pairs with zero), outputs that fill no whole block of 16 or pair of blocks, a bias, and
-    rows in groups of 8 and the rest: the float32 sum of the bfloat16 products, rounded once."""
+    """Odd inputs (the last pairs with zero, alone in the last chunk of inputs at 129), outputs that fill no whole
+    block of 16 or task of 3 blocks, a bias, and rows in groups of 8 and the rest, in chunks of inputs (2-8 groups)
+    or not (1 group, 9): the float32 sum of the bfloat16 products, rounded once."""
     weight = bf16(randn(out_features, in_features, seed=20, scale=0.05))
     wide = bf16(randn(rows, in_features + 3, seed=21))
     x = wide[:, 1:in_features + 1]  # a row stride wider than the row
@@ -197,6 +199,20 @@ def test_linear_on_dot_products_is_the_matmul(rows, in_features, out_features, w
                                                 bias, "none", [], "")
     apart = (got.view(torch.int16).int() - onednn.view(torch.int16).int()).abs()
     assert (apart <= 1).float().mean() > 0.99
+
+
+@needs_dot
+@pytest.mark.parametrize("in_features", [576, 255])
+def test_linear_on_dot_products_gives_a_row_the_bits_it_gets_in_any_batch(in_features):
+    """One row alone, in a group of 8, among 2-8 groups (chunked inputs) and among 9 (one pass per group): the same
+    sums in the same order, so the same bits (the engine relies on it: a prompt's tokens do not depend on its batch)."""
+    weight = bf16(randn(100, in_features, seed=23, scale=0.05))
+    packed = cpu_kernels.pack_linear_pairs(weight)
+    x = bf16(randn(70, in_features, seed=24))
+    whole = cpu_kernels.linear_pairs(x, packed, None, 100, torch.float32)
+    for rows in (1, 5, 8, 13, 64):
+        part = cpu_kernels.linear_pairs(x[-rows:], packed, None, 100, torch.float32)
+        assert torch.equal(part, whole[-rows:]), f"{rows} rows"
 
 
 @needs_dot
