@@ -608,11 +608,18 @@ class ContinuousScheduler(Scheduler):
 
     def _make_room_for(self, request: Request, scheduled: dict[Request, int], now: float) -> Request | None:
         """Preempt the last-ranked running request if ``request`` outranks it by age or priority (not by
-        arrival alone: fcfs never preempts for newcomers). Returns the victim, if any."""
-        if not self.running:
+        arrival alone: fcfs never preempts for newcomers). Returns the victim, if any.
+        Age preempts only requests that arrived after it (that jumped the queue by priority or tenant): an earlier
+        arrival frees its blocks by finishing, and preempting it to recompute later only wastes work (under fcfs
+        in an overload, every waiting request aged into preempting an older running one)."""
+        mine = self.rank(request, now)  # (ages the request if it is due)
+        candidates = self.running
+        if request.aged:
+            candidates = [r for r in self.running if r.arrival_order > request.arrival_order]
+        if not candidates:
             return None
-        victim = max(self.running, key=lambda r: self.rank(r, now))
-        mine, theirs = self.rank(request, now), self.rank(victim, now)
+        victim = max(candidates, key=lambda r: self.rank(r, now))
+        theirs = self.rank(victim, now)
         # Age, or priority, preempts. Under fair share a tenant with nothing running preempts the most-served
         # tenant's newest request (the cheapest to recompute) to get its first slot; once it runs, its share
         # is honoured at admission only (counters move every step: preempting by them would ping-pong).

@@ -157,20 +157,45 @@ def test_a_request_preempted_after_admission_does_not_age_into_preempting_others
 
 @pytest.mark.timeout(20)
 def test_making_room_for_an_aged_request_that_still_does_not_fit_ends():
-    """An aged request preempts the last-ranked running one, still does not fit (the rest are protected),
-    and the victim, which would fit, must not be readmitted and preempted again in a loop."""
+    """An aged request preempts the last-ranked running one that jumped it, still does not fit (the rest are
+    protected), and the victim, which would fit, must not be readmitted and preempted again in a loop."""
     scheduler = make_scheduler(num_kv_blocks=10, block_size=4, max_num_seqs=4, max_queue_wait_s=30.0,
-                               max_num_batched_tokens=64, enable_prefix_caching=False)
+                               max_num_batched_tokens=64, enable_prefix_caching=False, scheduling_policy="priority")
     old = make_request("old", 24, max_tokens=4, arrival_time=time.time() - 100)  # aged: 6 blocks
-    victim = make_request("victim", 4, max_tokens=30)  # 1 block, fresh
-    for request in (old, victim):
-        scheduler.add(request)
-    fake_step(scheduler)
-    assert {r.request_id for r in scheduler.running} == {"old", "victim"}
-    victim.metrics.arrival_time -= 200  # older than the next one, but it has been scheduled: never ages
-    waiting = make_request("aged", 20, max_tokens=4, arrival_time=time.time() - 40)  # 5 blocks > 3 free
+    waiting = make_request("aged", 20, max_tokens=4)  # 5 blocks > 4 free; fresh for now
+    waiting.priority = 9
+    scheduler.add(old)
     scheduler.add(waiting)
+    fake_step(scheduler)
+    victim = make_request("victim", 4, max_tokens=30)  # 1 block; priority 0: it jumps "aged"
+    scheduler.add(victim)
+    fake_step(scheduler)
+    assert {r.request_id for r in scheduler.running} == {"old", "victim"} and waiting in scheduler.waiting
+    victim.metrics.arrival_time -= 200  # older than "aged" now, but it has been scheduled: never ages
+    waiting.metrics.arrival_time -= 40  # aged
     out, _ = fake_step(scheduler)
     assert out.request_ids == ["old"]
     assert victim in scheduler.waiting and waiting in scheduler.waiting and scheduler.num_preemptions == 1
     scheduler.kv.check_invariants()
+
+
+def test_age_does_not_preempt_a_request_that_arrived_first():
+    """Under fcfs nothing jumps the queue: a request that aged waiting for a slot waits for earlier arrivals to
+    finish, and preempting one of them would only recompute it (an overloaded engine aged every waiting request
+    into doing so)."""
+    scheduler = make_scheduler(num_kv_blocks=16, block_size=4, max_num_seqs=2, max_queue_wait_s=30.0,
+                               enable_prefix_caching=False)
+    first, second = make_request("first", 12, max_tokens=4), make_request("second", 12, max_tokens=8)  # 4 blocks each
+    late = make_request("late", 12, max_tokens=4)
+    for request in (first, second, late):
+        scheduler.add(request)
+    fake_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["first", "second"] and late in scheduler.waiting
+    late.metrics.arrival_time -= 100  # aged
+    ran = []
+    while scheduler.running or scheduler.waiting:
+        out, _ = fake_step(scheduler)
+        ran.append(out.request_ids)
+    assert scheduler.num_preemptions == 0 and late.aged
+    first_of_late = next(i for i, ids in enumerate(ran) if "late" in ids)
+    assert first_of_late > max(i for i, ids in enumerate(ran) if "first" in ids)  # once a slot freed
