@@ -24,6 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.models.cpu_decode import FusedDecode
 from engine.models.cpu_packing import pack_linear_weights
 from engine.models.llama import CausalLM
 from engine.models.loader import build_model
@@ -166,6 +167,7 @@ class ModelRunner:
             pack_linear_weights(self.model)  # faster decode-sized matmuls (see cpu_packing.py)
             if self.dtype == torch.bfloat16 and self.backend.elementwise_ops() is not None:
                 self.model.residual_dtype = torch.float32  # the CPU kernels' norm keeps it (CausalLM.residual_dtype)
+                self.model.fused_decode = FusedDecode.for_model(self.model, self.backend)  # (None: layer by layer)
         self.model_config = source.config
         self.num_kv_blocks = self._count_kv_blocks(max_model_len)
         shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads,

@@ -4,7 +4,9 @@
 * ``store_kv``: the step's new K/V into the cache;
 * ``linear``: a decode step's few rows times a weight packed once (``pack_linear``), with oneDNN's sums;
 * ``rms_norm`` (with the residual add), ``silu_and_mul``, ``apply_rope``: the per-token work between the
-  matmuls in one pass each, with ``kernels.triton_fused``'s signatures (the model takes either module).
+  matmuls in one pass each, with ``kernels.triton_fused``'s signatures (the model takes either module);
+* ``decode_layers``: a bf16 decode step's decoder layers, those kernels in the model's order in one call
+  (``engine.models.cpu_decode``).
 
 Each takes float32 or bfloat16 tensors (all of one dtype; RoPE's cos/sin tables are float32 either way) and
 computes in float32: a bfloat16 value widens exactly on load and the result is rounded once on store, so bfloat16
@@ -26,6 +28,7 @@ callers then keep the PyTorch path. ``INFLIGHT_CPU_KERNELS=0`` turns the kernels
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -120,6 +123,8 @@ def load() -> ctypes.CDLL | None:
     lib.linear_pairs_bf16.argtypes, lib.linear_pairs_bf16.restype = signatures["linear"], None
     lib.linear_pairs_bf16_f32.argtypes, lib.linear_pairs_bf16_f32.restype = signatures["linear"], None
     lib.rms_norm_bf16_f32res.argtypes, lib.rms_norm_bf16_f32res.restype = signatures["rms_norm"], None
+    lib.decode_layers_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 8, f32, f32, i32]
+    lib.decode_layers_bf16.restype = None
     return lib
 
 
@@ -364,3 +369,47 @@ def linear_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     kernel(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
            num_rows, out_features, k, x.stride(0), torch.get_num_threads())
     return out
+
+
+class DecodeLayer(ctypes.Structure):
+    """One layer's pointers for ``decode_layers`` (the C++ ``DecodeLayer``): weights packed by ``pack_linear_pairs``,
+    biases None where a linear has none, the layer's K and V caches."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down", "k_cache", "v_cache")]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    """The model's sizes ``decode_layers`` needs."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+def decode_layers(layers: ctypes.Array, shape: DecodeShape, x: torch.Tensor, residual: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """A decode step's decoder layers, in place: ``x`` [rows, hidden] bfloat16, the embeddings in and the last
+    layer's MLP output out; ``residual`` [rows, hidden] float32, zeros in and the residual stream before the last
+    MLP out (the caller adds the two). ``layers``: a ``DecodeLayer`` array whose caches hold ``num_blocks`` blocks
+    of ``block_size``; cos/sin [rows, head_dim / 2] float32; ``slots``, ``block_tables``, ``seq_lens`` int64 as
+    ``store_kv`` and ``paged_decode_attention`` take them. Only where ``bf16_dot_products()``."""
+    assert bf16_dot_products(), "decode_layers needs a build with AVX-512 BF16 (bf16_dot_products())"
+    assert x.dtype is torch.bfloat16 and residual.dtype is torch.float32 and x.shape == residual.shape
+    assert x.is_contiguous() and residual.is_contiguous() and x.is_cpu and residual.is_cpu
+    assert cos.dtype is sin.dtype is torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    _check_index(slots, block_tables, seq_lens)
+    rows, hidden = x.shape
+    assert slots.shape == seq_lens.shape == (rows,) and block_tables.shape[0] == rows
+    assert cos.numel() == sin.numel() == rows * (shape.head_dim // 2)
+    assert slots.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous()
+    _lib().decode_layers_bf16(
+        ctypes.addressof(layers), len(layers), x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), rows, hidden,
+        shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate, num_blocks, block_size, shape.eps,
+        shape.scale, torch.get_num_threads())

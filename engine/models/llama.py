@@ -164,6 +164,8 @@ class CausalLM(nn.Module):
     # CPU kernels' norm adds into it, ``engine.model_runner``): its sums are not rounded to bf16 at every layer, the
     # rounding that moved the real model's logits by ~0.15 and turned a near-tie (docs/benchmarks.md, issue 47).
     residual_dtype: torch.dtype | None = None
+    # A decode-only step's layers in one call of the CPU kernels (engine.models.cpu_decode), where the runner set one.
+    fused_decode: Any = None
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
@@ -181,6 +183,8 @@ class CausalLM(nn.Module):
                 metadata: Any) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] before the final norm. ``kv_caches`` None: a prefill-only lane
         batch (``metadata`` is a ``DensePrefillMetadata``), attended without any cache."""
+        if self.fused_decode is not None and kv_caches is not None and self.fused_decode.accepts(metadata):
+            return self.fused_decode.forward(input_ids, positions, kv_caches, metadata)
         num_tokens = input_ids.shape[0]
         rows = self.row_padding(num_tokens) if self.row_padding is not None else num_tokens
         if rows != num_tokens:  # padding rows (token 0), dropped below; attention and RoPE see only real tokens

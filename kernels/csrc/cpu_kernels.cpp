@@ -1160,6 +1160,69 @@ int bf16_dot_products() { return INFLIGHT_BF16_DOT; }
 INFLIGHT_EXPORTS(float, f32)
 INFLIGHT_EXPORTS(bf16, bf16)
 
+// One layer's weights for decode_layers_bf16 (kernels/cpu_kernels.py's DecodeLayer): the norms' weights, the
+// linears packed by pack_linear_pairs (biases nullptr where a linear has none), the layer's K and V caches.
+struct DecodeLayer {
+    const bf16* input_norm;
+    const bf16* qkv;
+    const bf16* qkv_bias;
+    const bf16* o;
+    const bf16* o_bias;
+    const bf16* post_norm;
+    const bf16* gate_up;
+    const bf16* down;
+    bf16* k_cache;
+    bf16* v_cache;
+};
+
+// A decode step's decoder layers (every row one token), bf16 under a float32 residual stream: the kernels
+// engine/models/llama.py calls one by one from Python (norm, qkv, RoPE, store, attention, o, norm, gate/up,
+// SiLU-and-mul, down), in the same order with the same arguments, so the same bits; one call instead of ~300.
+// x [num_rows, hidden] (the embeddings in, the last layer's MLP output out) and residual (zeros in, the stream
+// before the last MLP out), contiguous; cos, sin [num_rows, head_dim / 2]; slots, block_tables, seq_lens as
+// store_kv and paged_decode_attention take them.
+void decode_layers_bf16(const DecodeLayer* layers, int64_t num_layers, bf16* x, float* residual, const float* cos,
+                        const float* sin, const int64_t* slots, const int64_t* block_tables, int64_t table_stride,
+                        const int64_t* seq_lens, int64_t num_rows, int64_t hidden, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, int64_t num_blocks,
+                        int64_t block_size, float eps, float scale, int num_threads) {
+#if INFLIGHT_BF16_DOT
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t qk_size = q_size + kv_size, qkv_size = qk_size + kv_size;
+    thread_local std::vector<bf16> h, qkv, qk, q, attn, gate_up, act;
+    h.resize(num_rows * hidden);
+    qkv.resize(num_rows * qkv_size);
+    qk.resize(num_rows * qk_size);
+    q.resize(num_rows * q_size);
+    attn.resize(num_rows * q_size);
+    gate_up.resize(num_rows * 2 * intermediate);
+    act.resize(num_rows * intermediate);
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const DecodeLayer& w = layers[l];
+        rms_norm<bf16, float>(x, residual, w.input_norm, h.data(), num_rows, hidden, hidden, hidden, hidden, eps,
+                              num_threads);
+        linear_pairs(h.data(), w.qkv, w.qkv_bias, qkv.data(), num_rows, qkv_size, hidden, hidden, num_threads);
+        rope<bf16>(qkv.data(), cos, sin, qk.data(), num_rows, num_heads + num_kv_heads, head_dim, qkv_size, head_dim,
+                   num_threads);
+        store_kv<bf16>(qk.data() + q_size, qkv.data() + qk_size, w.k_cache, w.v_cache, slots, num_rows, num_kv_heads,
+                       head_dim, num_blocks, block_size, qk_size, head_dim, qkv_size, head_dim, num_threads);
+        for (int64_t r = 0; r < num_rows; ++r)  // the query heads, contiguous (as the Python path's .contiguous())
+            std::copy_n(qk.data() + r * qk_size, q_size, q.data() + r * q_size);
+        paged_decode_attention<bf16>(q.data(), w.k_cache, w.v_cache, block_tables, table_stride, seq_lens,
+                                     attn.data(), num_rows, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+                                     scale, num_threads);
+        linear_pairs(attn.data(), w.o, w.o_bias, x, num_rows, hidden, q_size, q_size, num_threads);
+        rms_norm<bf16, float>(x, residual, w.post_norm, h.data(), num_rows, hidden, hidden, hidden, hidden, eps,
+                              num_threads);
+        linear_pairs(h.data(), w.gate_up, static_cast<const bf16*>(nullptr), gate_up.data(), num_rows,
+                     2 * intermediate, hidden, hidden, num_threads);
+        silu_and_mul<bf16>(gate_up.data(), act.data(), num_rows, intermediate, 2 * intermediate, num_threads);
+        linear_pairs(act.data(), w.down, static_cast<const bf16*>(nullptr), x, num_rows, hidden, intermediate,
+                     intermediate, num_threads);
+    }
+#endif
+}
+
 // rms_norm_bf16 with a float32 residual stream.
 void rms_norm_bf16_f32res(const bf16* x, float* residual, const bf16* weight, bf16* out, int64_t num_tokens,
                           int64_t hidden, int64_t stride_x, int64_t stride_r, int64_t stride_o, float eps,

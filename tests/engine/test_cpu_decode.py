@@ -1,0 +1,65 @@
+"""A bfloat16 decode step's layers in one call of the CPU kernels (engine/models/cpu_decode.py): the same bits as
+the layers run one by one from Python, and taken only where the layers are exactly those kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import cpu_decode
+from kernels import cpu_kernels
+from tests.engine.helpers import greedy, make_engine, random_prompts
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_dot_products(),
+                                reason="the kernels' build here has no AVX-512 BF16 dot products")
+
+
+def _run(path, fused: bool, monkeypatch, threads: int) -> tuple[list, int]:
+    calls = []
+    original = cpu_kernels.decode_layers
+
+    def counted(*args, **kwargs):
+        calls.append(args[2].shape[0])  # the step's rows
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "decode_layers", counted)
+    engine = make_engine(path, dtype="bfloat16", max_num_seqs=24, max_num_batched_tokens=256, num_threads=threads)
+    if not fused:
+        engine.runner.model.fused_decode = None
+    # 20 prompts at once: decode steps of 20 rows down to 1 (rows in groups of 8, chunked and not)
+    prompts = random_prompts(20, 3, 40, seed=7)
+    params = [greedy(4 + i % 9, logprobs=2) for i in range(len(prompts))]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0]
+    results = [(finished[f"r{i}"].token_ids, [(lp.keys(), [v.logprob for v in lp.values()])
+                                              for lp in finished[f"r{i}"].logprobs]) for i in range(len(prompts))]
+    return results, calls
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {"hidden_size": 128}),  # heads of 32: attention on dot products
+    ("mistral", {}),  # heads of 16: the kernels' widening path
+    ("qwen2", {"hidden_size": 128}),  # a qkv bias
+])
+def test_fused_decode_gives_the_layer_by_layer_bits(checkpoint, monkeypatch, arch, overrides):
+    path = checkpoint(arch, dtype=torch.bfloat16, **overrides)
+    for threads in (1, 2):
+        fused, calls = _run(path, True, monkeypatch, threads)
+        layered, no_calls = _run(path, False, monkeypatch, threads)
+        assert max(calls) >= 17 and min(calls) == 1 and no_calls == []
+        assert fused == layered
+
+
+def test_only_bfloat16_cpu_models_without_qk_norms_get_it(checkpoint):
+    def fused_decode(path, dtype):
+        return make_engine(path, dtype=dtype).runner.model.fused_decode
+
+    llama = checkpoint("llama", dtype=torch.bfloat16)
+    assert isinstance(fused_decode(llama, "bfloat16"), cpu_decode.FusedDecode)
+    assert fused_decode(llama, "float32") is None
+    assert fused_decode(checkpoint("qwen3", dtype=torch.bfloat16), "bfloat16") is None  # q/k norms
