@@ -7,6 +7,9 @@ Each kind is timed where it is called (wall clock around the call, summed over t
 * ``attention``: storing the step's K/V and attending (``backend.store_kv`` and ``backend.forward``);
 * ``elementwise``: the embedding lookup, RMSNorm with its residual add, RoPE, SiLU-and-mul;
 * ``sampling``: choosing the tokens from the logits;
+* ``layers, one call``: a bf16 decode step's decoder layers in one call of the CPU kernels
+  (``engine.models.cpu_decode``: the kinds above, for those layers, in C++); the profile also runs that step
+  layer by layer (``bfloat16, layer by layer``) to show what each kind costs there;
 * ``python + scheduler``: the rest of ``LLMEngine.step``: scheduling, the batch's tensors, outputs, glue.
 
 The timers add a few microseconds per call (~300 calls a step), which land in the kinds they wrap. The systems run
@@ -29,7 +32,7 @@ from typing import Any, Callable
 from benchmarks.models import add_model_arg, model_from_args
 from benchmarks.workloads import engine_args
 
-KINDS = ["linears", "lm head", "attention", "elementwise", "sampling", "python + scheduler"]
+KINDS = ["linears", "lm head", "attention", "elementwise", "layers, one call", "sampling", "python + scheduler"]
 
 
 class KindTimers:
@@ -78,6 +81,7 @@ def instrument(engine) -> KindTimers:
     timers.wrap(runner.backend, "store_kv", "attention")
     for name in ("rms_norm", "silu_and_mul"):
         timers.wrap(cpu_kernels, name, "elementwise")
+    timers.wrap(cpu_kernels, "decode_layers", "layers, one call")
     timers.wrap(runner.sampler, "greedy_tokens", "sampling")
     return timers
 
@@ -167,6 +171,12 @@ def run(args) -> dict[str, Any]:
             prefill[dtype].append(profile_prefill(engine, timers, rng, args.prefill_tokens, model.token_range))
             decode[dtype].extend(profile_decode(engine, timers, rng, args.decode_rows, args.decode_context,
                                                 model.token_range, 4))
+            fused = engine.runner.model.fused_decode
+            if fused is not None:  # the same step layer by layer, to see each kind's share
+                engine.runner.model.fused_decode = None
+                decode[f"{dtype}, layer by layer"].extend(profile_decode(
+                    engine, timers, rng, args.decode_rows, args.decode_context, model.token_range, 4))
+                engine.runner.model.fused_decode = fused
     return {"model": model.name, "threads": args.threads, "prefill_tokens": args.prefill_tokens,
             "decode_rows": args.decode_rows, "decode_context": args.decode_context, "rounds": args.rounds,
             "prefill": {d: median_of(s) for d, s in prefill.items()},
