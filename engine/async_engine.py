@@ -59,8 +59,8 @@ class AsyncLLMEngine:
     (``serve_app.cpu_plan`` keeps the serving processes off them).
 
     ``max_outputs_per_s``: about how many outputs per second the streams get in all. Each stream's come at most
-    every (streams / ``max_outputs_per_s``) seconds, its first and its last at once; the tokens of the steps
-    between gather into the next (``OutputProcessor.process``). A server that relays every output as a message
+    every (streams producing / ``max_outputs_per_s``) seconds, its first and its last at once; the tokens of the
+    steps between gather into the next (``OutputProcessor.process``). A server that relays every output as a message
     (``serve_app.replica``) so spends its event loop per interval, not per step and stream. None: an output per
     step that gave a stream something."""
 
@@ -258,8 +258,7 @@ class AsyncLLMEngine:
 
     # -- on the event loop -----------------------------------------------------------------------
     def _deliver(self, records: list[CoreRecord]) -> None:
-        interval = len(self._queues) / self.max_outputs_per_s if self.max_outputs_per_s else 0.0
-        outputs, stopped = self._front_end.process(records, time.monotonic(), interval)
+        outputs, stopped = self._front_end.process(records, time.monotonic(), self.max_outputs_per_s)
         if self._dead is None and not self._stopping:
             for request_id, stop in stopped:  # the core ends it between its next steps
                 self._core.send(("stop_string", request_id, stop))

@@ -12,8 +12,8 @@ all been sent, or fails when the replica is lost), else as the call's own items.
 Messages cost CPU that the engine shares (through Ray Serve a few thousand per second is all two
 cores give; on the channel each chunk still becomes an SSE event that the router relays), so they are paced: the
 engine hands a stream an output (its first tokens at once: time to first token is untouched) at most every
-``active streams / max_messages_per_s`` seconds (``AsyncLLMEngine``'s ``max_outputs_per_s``), the tokens between
-gathering into the next, and each output is a message. So the replica as a whole sends about
+``streams producing / max_messages_per_s`` seconds (``AsyncLLMEngine``'s ``max_outputs_per_s``; a stream waiting
+for a batch slot takes no share), the tokens between gathering into the next, and each output is a message. So the replica as a whole sends about
 ``max_messages_per_s`` messages whatever the load: at the default 200 a single stream gets a message every 5 ms (a
 token each while a step takes longer), many streams several tokens a message; and its event loop handles an output
 per message, not one per step and stream. Leaving the stream early aborts the request in the engine, which frees

@@ -249,6 +249,40 @@ def test_paced_streams_get_their_first_output_at_once_then_everything_with_their
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
 
 
+def test_streams_waiting_for_a_slot_take_no_share_of_the_budget(monkeypatch):
+    """One batch slot, three streams: each runs alone in turn, so each gets the whole budget while it runs. The
+    clock moves 0.6 s a step: at 1 output a second, the output after one that showed text comes 2 steps (1.2 s)
+    later, not 5 (3 s), which dividing the budget by the three open streams gave."""
+    from tests.engine.helpers import hand_clock
+
+    clock = hand_clock(monkeypatch)
+    engine = make_engine(max_num_seqs=1)
+    core_step = engine.core_step
+
+    def step_and_tick():
+        clock.advance(0.6)
+        return core_step()
+
+    engine.core_step = step_and_tick
+    prompts = random_prompts(3, 6, 20, seed=8)
+
+    async def timed(aengine, prompt):
+        return [(clock.now, out) async for out in aengine.generate(prompt, greedy(16))]
+
+    async def main():
+        aengine = LockstepEngine(engine=engine, max_outputs_per_s=1.0)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(timed(aengine, p) for p in prompts)), TIMEOUT_S)
+        finally:
+            await asyncio.wait_for(aengine.shutdown(), 5)
+
+    for outs in asyncio.run(main()):
+        gaps = [later - at for (at, shown), (later, nxt) in zip(outs, outs[1:])
+                if shown.outputs[0].new_text and not nxt.finished]
+        assert len(gaps) >= 3 and all(abs(gap - 1.2) < 1e-6 for gap in gaps), gaps
+        assert [t for _, o in outs for t in o.outputs[0].new_token_ids] == outs[-1][1].outputs[0].token_ids
+
+
 def test_unpaced_streams_get_an_output_per_step_and_a_bad_budget_is_refused():
     prompt = random_prompts(1, 8, 8, seed=6)[0]
     outs = _paced(lambda aengine: collect(aengine, prompt, greedy(12)), max_outputs_per_s=1e9)
