@@ -35,7 +35,7 @@ run: install
 	./scripts/serve.sh $(CONFIG)
 
 demo: install
-	$(PY) -m engine.demo
+	$(PY) -m inflight.engine.demo
 
 test: install
 	$(PY) -m pytest tests -q

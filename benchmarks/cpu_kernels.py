@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernels
+from inflight.kernels import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 32, 16
 

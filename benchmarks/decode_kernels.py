@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from kernels import cpu_kernels
+from inflight.kernels import cpu_kernels
 
 LAYERS = 30
 LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)

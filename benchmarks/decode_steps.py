@@ -42,7 +42,7 @@ def build_engine(max_rows: int, prompt_len: int, tokens: int, threads: int):
     """Our engine on the benchmark checkpoint with KV for ``max_rows`` requests at full length (the benchmark's 8,000
     tokens would hold ~11 of 700): no row waits or is preempted, so every step after the prompts decodes all."""
     from benchmarks.workloads import BLOCK_SIZE, build_checkpoint, engine_args
-    from engine import LLMEngine
+    from inflight.engine import LLMEngine
 
     blocks = max_rows * -(-(prompt_len + tokens) // BLOCK_SIZE) + 1
     return LLMEngine(str(build_checkpoint()),
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.kernel_rows is not None:
         if args.kernel_rows < 0:
             parser.error(f"--kernel-rows must be at least 0, got {args.kernel_rows}")
-        from engine.models import cpu_packing
+        from inflight.engine.models import cpu_packing
 
         cpu_packing.KERNEL_ROWS = args.kernel_rows
     medians = measure(rows, args.prompt_len, args.tokens, args.repeats, args.threads)

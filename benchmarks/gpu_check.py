@@ -92,9 +92,9 @@ def check_kernels(args) -> dict[str, Any]:
 
 # -- 2. decode attention bandwidth ------------------------------------------------------------------------
 def attention_bandwidth(args, copy_bw: float) -> dict[str, Any]:
-    from kernels import BatchLayout
-    from kernels.torch_ref import TorchPagedAttention
-    from kernels.triton_backend import TritonPagedAttention
+    from inflight.kernels import BatchLayout
+    from inflight.kernels.torch_ref import TorchPagedAttention
+    from inflight.kernels.triton_backend import TritonPagedAttention
 
     batch, context, head_dim, kv_heads, heads, bs = 64, 2048, 128, 8, 32, 16
     blocks_per_row = context // bs
@@ -131,7 +131,7 @@ class StepGaps:
     scheduling, only what the host could not do while the GPU ran the step before."""
 
     def __init__(self, runner) -> None:
-        from engine.model_runner import recorded_event
+        from inflight.engine.model_runner import recorded_event
 
         self.gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (a step's end, the next one's start)
         self._last_end: torch.cuda.Event | None = None
@@ -167,7 +167,7 @@ def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int
                   enforce_eager: bool = False, async_scheduling: bool | None = None) -> dict[str, Any]:
     """Tokens/s of pure decode steps with ``batch`` requests running, after all prompts are in, and the GPU's
     idle gap between two steps (``StepGaps``). ``async_scheduling`` None is the engine's default (on, on CUDA)."""
-    from engine import LLMEngine, SamplingParams
+    from inflight.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=max(batch, 8),
                        enforce_eager=enforce_eager, async_scheduling=async_scheduling,
@@ -223,7 +223,7 @@ def roofline(batch: int, context: float, num_layers: int, read_bw: float, itemsi
 
 # -- 4. transformers on the same workload ----------------------------------------------------------------
 def same_workload_ours(model_dir: Path, prompts, new_tokens: int, args) -> float:
-    from engine import LLMEngine
+    from inflight.engine import LLMEngine
 
     engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=len(prompts),
                        max_num_batched_tokens=8192, attention_backend=args.attention_backend,
@@ -239,7 +239,7 @@ def same_workload_ours(model_dir: Path, prompts, new_tokens: int, args) -> float
 def timed_greedy_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
     """After one short warm-up request, all ``prompts`` at once, greedy, ``new_tokens`` each: every request's tokens
     (in order) and the seconds from submission to the last one."""
-    from engine import SamplingParams
+    from inflight.engine import SamplingParams
 
     engine.add_request("warm", prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -325,7 +325,7 @@ def hf_continuous_batching(model, prompts, new_tokens: int, deadline_s: float = 
 def seed_workload_run(model_dir: Path, batching: str, args, async_scheduling: bool | None = None) -> dict[str, Any]:
     """The seed workload (all at t=0): useful tok/s, mean latency, and each request's greedy tokens."""
     from benchmarks.workloads import seed_workload
-    from engine import LLMEngine, SamplingParams
+    from inflight.engine import LLMEngine, SamplingParams
 
     requests = seed_workload(args.seed_requests, seed=0)
     engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, batching=batching, block_size=16,
@@ -359,7 +359,7 @@ def speculative_runs(model_dir: Path, args, num_requests: int = 4, prompt_len: i
     """Speculative decoding at concurrency 1 (issue 18): the same greedy requests one at a time without
     speculation, with the oracle (the plain run's outputs: the mechanism's ceiling) and with n-gram lookup.
     Tokens per second and the acceptance of each; every run must emit the plain run's tokens."""
-    from engine import LLMEngine
+    from inflight.engine import LLMEngine
 
     prompts = random_prompts(num_requests, prompt_len, seed=2)
     out: dict[str, Any] = {}

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 # The KV diagnosis lives with the engine, which applies it to its own steps too; re-exported for the benchmarks.
-from engine.kv_diagnosis import (  # noqa: F401
+from inflight.engine.kv_diagnosis import (  # noqa: F401
     CAUSES, KV_UTILISATION_THRESHOLD, MIN_WAITING_SHARE, EngineLimits, KVDiagnosis, StepSample, diagnose_kv,
 )
 

@@ -46,7 +46,7 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qw
 
 
 def default_model() -> str:
-    from engine.models.packaged import DEFAULT_MODEL
+    from inflight.engine.models.packaged import DEFAULT_MODEL
 
     return DEFAULT_MODEL
 
@@ -79,7 +79,7 @@ class BenchModel:
         """``--dtype`` as a concrete name: "auto" resolved as our engine resolves it for this model on this CPU."""
         import torch
 
-        from engine.model_runner import resolve_dtype
+        from inflight.engine.model_runner import resolve_dtype
 
         if asked != "auto":
             return asked
@@ -117,7 +117,7 @@ class BenchModel:
 
 @functools.lru_cache(maxsize=8)
 def read_source(engine_model: str):
-    from engine.models.source import read_model_source
+    from inflight.engine.models.source import read_model_source
 
     return read_model_source(engine_model)
 
@@ -126,7 +126,7 @@ def resolve_model(name: str | None = None, cache_dir: str | Path | None = None) 
     """``--model``'s value (None: ``DEFAULT_MODEL``) as a ``BenchModel``; a ``ValueError`` naming --model for a name
     that is none of the accepted ones, a missing package or file, or a checkpoint our engine cannot read."""
     from benchmarks.workloads import MODEL_NAME, build_checkpoint, default_cache_dir
-    from engine.models.packaged import PACKAGED_MODELS
+    from inflight.engine.models.packaged import PACKAGED_MODELS
 
     name = default_model() if name is None else name
     cache = Path(cache_dir or default_cache_dir())
@@ -174,7 +174,7 @@ def ordinary_token_range(source) -> tuple[int, int]:
 
 # -- the GGUF export ----------------------------------------------------------------------------------------
 def export_dir(gguf_file: Path, cache_dir: str | Path) -> Path:
-    from engine.models.gguf_checkpoint import file_key
+    from inflight.engine.models.gguf_checkpoint import file_key
 
     return Path(cache_dir) / f"{gguf_file.stem}-hf-{file_key(gguf_file, EXPORT_VERSION)[:12]}"
 
@@ -215,8 +215,8 @@ def _tokenizer_of(description: dict[str, Any]):
 def _write_export(gguf_file: Path, path: Path) -> None:
     from safetensors.torch import save_file
 
-    from engine.models.config import ModelConfig
-    from engine.models.gguf_checkpoint import cached_description, read_gguf_tensors
+    from inflight.engine.models.config import ModelConfig
+    from inflight.engine.models.gguf_checkpoint import cached_description, read_gguf_tensors
 
     description = cached_description(gguf_file)
     config = ModelConfig.from_hf(description["hf_config"])
@@ -232,7 +232,7 @@ def _write_export(gguf_file: Path, path: Path) -> None:
 # -- the flag -----------------------------------------------------------------------------------------------
 def add_model_arg(parser: argparse.ArgumentParser, default: str | None = None, what: str = "") -> None:
     """``--model`` (default: ``DEFAULT_MODEL``, the real model); ``model_from_args`` resolves it."""
-    from engine.models.packaged import PACKAGED_MODELS
+    from inflight.engine.models.packaged import PACKAGED_MODELS
 
     parser.add_argument("--model", default=default, metavar="NAME|PATH",
                         help=f"the model{what}: {', '.join(PACKAGED_MODELS)} (packaged), {RANDOM} (the random toy "

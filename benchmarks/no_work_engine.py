@@ -12,9 +12,9 @@ import asyncio
 import time
 from typing import Any, AsyncIterator
 
-from engine.async_engine import RequestStream
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from inflight.engine.async_engine import RequestStream
+from inflight.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inflight.engine.sampling_params import SamplingParams
 
 STEP_S = 0.006  # about a demo-tiny decode step at 64 rows on this machine
 TOKEN_ID, TOKEN_TEXT = 65, "A"

@@ -48,7 +48,7 @@ def median_ms(times_s: Sequence[float]) -> float:
 
 
 def run_ours(model_path: str, prompts: dict[int, list[list[int]]], threads: int) -> dict[int, float]:
-    from engine import LLM, SamplingParams
+    from inflight.engine import LLM, SamplingParams
 
     llm = LLM(model_path, **engine_args("continuous", threads=threads))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

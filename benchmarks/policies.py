@@ -30,13 +30,13 @@ ENGINE = dict(device="cpu", dtype="float32", block_size=16, num_kv_blocks=1000, 
 
 
 def make_engine(path: str, threads: int | None, **overrides: Any):
-    from engine import LLMEngine
+    from inflight.engine import LLMEngine
 
     return LLMEngine(path, **{**ENGINE, "num_threads": threads, **overrides})
 
 
 def greedy(max_tokens: int, **kwargs: Any):
-    from engine import SamplingParams
+    from inflight.engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
 

@@ -23,8 +23,8 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from serve_app.app import make_app
-    from serve_app.config import AppConfig
+    from inflight.serve_app.app import make_app
+    from inflight.serve_app.config import AppConfig
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     params = dict(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)

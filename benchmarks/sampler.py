@@ -23,10 +23,10 @@ from typing import Sequence
 
 import torch
 
-import engine.sampler
+from inflight.engine import sampler as engine_sampler
 from benchmarks.report import load_average, print_table, write_json
 from benchmarks.workloads import positive_int
-from engine.sampling_params import SamplingParams
+from inflight.engine.sampling_params import SamplingParams
 
 CASES = {
     "greedy": SamplingParams(temperature=0.0),
@@ -87,7 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    samplers = {"this tree": engine.sampler}
+    samplers = {"this tree": engine_sampler}
     if args.baseline_tree:
         try:
             samplers = {"baseline": load_sampler(args.baseline_tree), **samplers}

@@ -55,8 +55,8 @@ from tqdm import tqdm
 from benchmarks.models import add_model_arg, model_from_args
 from benchmarks.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.workloads import positive_int
-from engine.engine_core import settle_heap
-from engine.sampling_params import OUTPUT_KINDS
+from inflight.engine.engine_core import settle_heap
+from inflight.engine.sampling_params import OUTPUT_KINDS
 
 TARGET_US_PER_STEP = 600.0  # the synchronous loop's host time per step at 256 requests
 TARGET_ASYNC_OVERHEAD_US = 300.0  # what the async loop adds to a device step at 256 requests
@@ -116,7 +116,7 @@ class StandInDevice:
     measured)."""
 
     def __init__(self, runner, device_ms: float = 0.0, level: str = "model", token_id: int = STAND_IN_TOKEN_ID) -> None:
-        from engine.model_runner import LaunchedStep, RunnerOutput
+        from inflight.engine.model_runner import LaunchedStep, RunnerOutput
 
         self.seconds = device_ms / 1e3
         self.free_at = 0.0
@@ -156,7 +156,7 @@ class StandInDevice:
 
 
 def build_engine(args, async_scheduling: bool = False):
-    from engine import LLMEngine
+    from inflight.engine import LLMEngine
 
     blocks_per_request = -(-(args.prompt_len + args.max_tokens) // args.block_size)
     engine = LLMEngine(args.bench_model.engine_model, device="cpu", num_threads=1, batching=args.batching,
@@ -172,7 +172,7 @@ def build_engine(args, async_scheduling: bool = False):
 def start_requests(engine, args, block: int) -> None:
     """End whatever runs, then bring ``--num-requests`` fresh requests to ``--decoded-tokens`` output tokens
     each: every timed block starts from the same state, so outputs do not grow from block to block."""
-    from engine import SamplingParams
+    from inflight.engine import SamplingParams
 
     for request_id in list(engine._children):
         engine.abort_request(request_id)
@@ -269,7 +269,7 @@ def time_report(engine, repeats: int = 50) -> tuple[float, float]:
     """(send, receive) microseconds of one step's report to the server's process, as the engine's own process
     (``engine_process=True``, what servers run) pickles it after every step and the server unpickles it: the
     records of a decode step of every request."""
-    from engine.engine_core import StepReport
+    from inflight.engine.engine_core import StepReport
 
     report = StepReport(engine.core_step(), seconds=0.0, batch_size=engine.last_batch_size)
     start = time.perf_counter()

@@ -52,9 +52,9 @@ from benchmarks.models import BenchModel, add_model_arg, model_from_args
 from benchmarks.peers.preload import with_peer_preload
 from benchmarks.vllm_baseline import resolve_peer_python
 from benchmarks.workloads import MODEL_NAME, add_sampling_args, check_sampling_args
-from engine.cpu_list import format_cpu_list
-from serve_app.cpu_plan import cpus_left
-from serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT
+from inflight.engine.cpu_list import format_cpu_list
+from inflight.serve_app.cpu_plan import cpus_left
+from inflight.serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "benchmarks" / "peers"

@@ -36,7 +36,7 @@ from benchmarks.no_work_engine import STEP_S
 from benchmarks.openai_client import client_session, stream_completion
 from benchmarks.report import format_table, write_json
 from benchmarks.serve_processes import cpu_by_role, sample_processes
-from engine.cpu_list import parse_cpu_list
+from inflight.engine.cpu_list import parse_cpu_list
 
 ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
 HOST = "127.0.0.1"
@@ -71,7 +71,7 @@ async def closed_loop(one: Callable[[list[int]], Awaitable[tuple]], streams: lis
 # -- the engine directly ------------------------------------------------------------------------------
 async def engine_run(engine, streams: list[list[list[int]]], max_tokens: int) -> tuple[list[float], float]:
     """(TTFTs, output tokens/s) of ``streams`` through an AsyncLLMEngine."""
-    from engine import SamplingParams
+    from inflight.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
 
@@ -92,14 +92,14 @@ class Offline:
     """The engine offline (``LLM.generate`` of every request at once) in this process: the share's denominator."""
 
     def __init__(self, threads: int, model: BenchModel) -> None:
-        from engine import LLM
+        from inflight.engine import LLM
 
         self.llm = LLM(model.engine_model, num_threads=threads, **ENGINE_ARGS)
         low = model.token_range[0]
         self.tokens_per_s([[low, low + 1, low + 2], [low + 3, low + 4]], 4)  # warm-up
 
     def tokens_per_s(self, batch: list[list[int]], max_tokens: int) -> float:
-        from engine import SamplingParams
+        from inflight.engine import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
         start = time.perf_counter()
@@ -131,7 +131,7 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     (None: demo-tiny). With ``engine_cpus``, as ``make
     run`` serves a config with them: the replica's engine process on those CPUs, and this process, so Ray and
     everything it starts (and the load generator), on the others."""
-    from serve_app import ray_env
+    from inflight.serve_app import ray_env
 
     # As `make run` starts Ray (ray.init below passes the environment on to Ray's processes), and before ray.serve
     # is imported here: Serve reads its settings once, and the handles this process builds keep them.
@@ -139,10 +139,10 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     import ray
     from ray import serve
 
-    from serve_app.app import make_app
-    from serve_app.config import AppConfig
-    from serve_app.cpu_plan import cpus_left
-    from serve_app.ingress import wait_for_router_url
+    from inflight.serve_app.app import make_app
+    from inflight.serve_app.config import AppConfig
+    from inflight.serve_app.cpu_plan import cpus_left
+    from inflight.serve_app.ingress import wait_for_router_url
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rest = cpus_left(parse_cpu_list(engine_cpus)) if engine_cpus else None
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from engine import AsyncLLMEngine
+    from inflight.engine import AsyncLLMEngine
 
     single = [prompts(args.single_requests, args.prompt_len, model.token_range)]  # one stream: one after another
     many = prompts(args.streams * args.requests_per_stream, args.prompt_len, model.token_range)

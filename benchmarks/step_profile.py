@@ -63,7 +63,7 @@ def instrument(engine) -> KindTimers:
     module functions the model calls through ``ops``)."""
     from torch import nn
 
-    from kernels import cpu_kernels
+    from inflight.kernels import cpu_kernels
 
     timers = KindTimers()
     runner = engine.runner
@@ -92,7 +92,7 @@ def prompt(rng: random.Random, length: int, token_range: tuple[int, int]) -> lis
 
 def profile_prefill(engine, timers: KindTimers, rng, length: int, token_range) -> dict[str, float]:
     """One step that prefills one fresh prompt of ``length`` tokens (random: no cached prefix) and samples once."""
-    from engine import SamplingParams
+    from inflight.engine import SamplingParams
 
     engine.add_request(f"prefill-{rng.random()}", {"prompt_token_ids": prompt(rng, length, token_range)},
                        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
@@ -102,7 +102,7 @@ def profile_prefill(engine, timers: KindTimers, rng, length: int, token_range) -
 def profile_decode(engine, timers: KindTimers, rng, rows: int, context: int, token_range, steps: int
                    ) -> list[dict[str, float]]:
     """``steps`` decode steps of ``rows`` requests, each with ``context`` tokens before it."""
-    from engine import SamplingParams
+    from inflight.engine import SamplingParams
 
     for i in range(rows):
         engine.add_request(f"decode-{i}-{rng.random()}", {"prompt_token_ids": prompt(rng, context, token_range)},
@@ -153,7 +153,7 @@ def parse_args(argv=None):
 
 
 def run(args) -> dict[str, Any]:
-    from engine import LLMEngine
+    from inflight.engine import LLMEngine
 
     model = args.bench_model
     engines = {}

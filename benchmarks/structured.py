@@ -52,7 +52,7 @@ def with_structured_fraction(requests: Sequence[BenchRequest], fraction: float) 
 def cached_schema_ttft_ms(engine, prompt: list[int]) -> dict[str, float]:
     """Median time to first token (ms) of one request on an idle engine with ``SCHEMA`` (compiled before) and
     without, alternating; and their difference."""
-    from engine import SamplingParams, StructuredOutput
+    from inflight.engine import SamplingParams, StructuredOutput
 
     constraint = StructuredOutput("json", SCHEMA)
     params = {False: SamplingParams(max_tokens=1, temperature=0.0),

@@ -85,7 +85,7 @@ def requests_of(output_lens: Sequence[int], prompt_len: int) -> list[BenchReques
 
 
 def run_mode(mode: str, requests: Sequence[BenchRequest], args) -> list[list[Cell]]:
-    from engine import LLMEngine
+    from inflight.engine import LLMEngine
 
     engine = LLMEngine("demo-tiny", device="cpu", num_threads=1, batching=mode, max_num_seqs=args.slots,
                        max_num_batched_tokens=max(args.slots, args.max_num_batched_tokens), block_size=4,

@@ -310,7 +310,7 @@ def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None =
     ``--static-batch-size`` slots (8 x 1,000 tokens of KV: the same batch of 8 as transformers' static run)
     and continuous ``--max-num-seqs``; both get the same KV budget. ``prefill_lane``: requests that generate
     nothing take the prefill lane (True) or the scheduler and the paged cache ("mixed")."""
-    from engine import LLMEngine
+    from inflight.engine import LLMEngine
 
     if max_num_seqs is None:
         max_num_seqs = args.static_batch_size if batching == "static" else args.max_num_seqs
@@ -333,14 +333,14 @@ def kv_blocks(args) -> int:
 
 
 def sampling_params(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, ignore_eos: bool = True):
-    from engine import SamplingParams
+    from inflight.engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos)
 
 
 def request_params(request: BenchRequest):
     """What the engine is given for ``request``: greedy generation, prompt scoring, or an embedding."""
-    from engine import PoolingParams, SamplingParams
+    from inflight.engine import PoolingParams, SamplingParams
 
     if request.kind == "score":
         return SamplingParams(max_tokens=0, prompt_logprobs=PROMPT_LOGPROBS)
@@ -348,7 +348,7 @@ def request_params(request: BenchRequest):
         return PoolingParams()
     if request.kind == "structured":
         from benchmarks.structured import SCHEMA
-        from engine import StructuredOutput
+        from inflight.engine import StructuredOutput
 
         return sampling_params(request.max_tokens, request.temperature, request.top_p, request.ignore_eos).replace(
             structured_output=StructuredOutput("json", SCHEMA))

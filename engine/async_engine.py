@@ -17,19 +17,19 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from engine.cpu_list import parse_cpu_list
-from engine.engine_core import EngineCoreProcess, StepReport, StepThread
-from engine.models.packaged import DEFAULT_MODEL
-from engine.models.source import read_model_source
-from engine.output_processor import CoreRecord, OutputProcessor
-from engine.outputs import DeadlineUnmeetableError, RequestOutput
-from engine.request import Continuation, Request
-from engine.request_maker import PromptInput, RequestMaker
-from engine.sampling_params import PoolingParams, SamplingParams
-from engine.ttft_predictor import QueueView, check_deadline, predicts_for
+from inflight.engine.cpu_list import parse_cpu_list
+from inflight.engine.engine_core import EngineCoreProcess, StepReport, StepThread
+from inflight.engine.models.packaged import DEFAULT_MODEL
+from inflight.engine.models.source import read_model_source
+from inflight.engine.output_processor import CoreRecord, OutputProcessor
+from inflight.engine.outputs import DeadlineUnmeetableError, RequestOutput
+from inflight.engine.request import Continuation, Request
+from inflight.engine.request_maker import PromptInput, RequestMaker
+from inflight.engine.sampling_params import PoolingParams, SamplingParams
+from inflight.engine.ttft_predictor import QueueView, check_deadline, predicts_for
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from inflight.engine.llm_engine import LLMEngine
 
 
 class RequestStream:
@@ -99,7 +99,7 @@ class AsyncLLMEngine:
                                        self.max_model_len, info["max_model_len_note"])
         else:
             if engine is None:
-                from engine.llm_engine import LLMEngine  # here: with the engine in its own process, this one needs no torch
+                from inflight.engine.llm_engine import LLMEngine  # here: with the engine in its own process, this one needs no torch
 
                 engine = LLMEngine(model, **engine_args)
             self.engine = engine

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
-from engine.block_hash import NO_PARENT, BlockKey, block_key
+from inflight.engine.block_hash import NO_PARENT, BlockKey, block_key
 
 
 class BlockPool:

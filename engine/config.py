@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from engine.models.packaged import DEFAULT_MODEL
-from engine.speculative.config import SpeculativeConfig
+from inflight.engine.models.packaged import DEFAULT_MODEL
+from inflight.engine.speculative.config import SpeculativeConfig
 
 BatchingMode = Literal["continuous", "static"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine import LLM, SamplingParams
-from engine.models.packaged import DEFAULT_MODEL
+from inflight.engine import LLM, SamplingParams
+from inflight.engine.models.packaged import DEFAULT_MODEL
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 17 times 3?",
              "Write a haiku about the sea.", "Explain dynamic batching in one sentence.", "Say hello in French.",

@@ -33,9 +33,9 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable
 
-from engine.output_processor import CoreRecord
-from engine.outputs import DeadlineUnmeetableError
-from engine.ttft_predictor import QueueView
+from inflight.engine.output_processor import CoreRecord
+from inflight.engine.outputs import DeadlineUnmeetableError
+from inflight.engine.ttft_predictor import QueueView
 
 IDLE_WAIT_S = 0.5  # how often an idle loop looks up (new work wakes it at once)
 STATS_PERIOD_S = 0.05  # how fresh stats and the queue view are while steps run (they walk the queues)
@@ -166,7 +166,7 @@ class EngineCoreProcess:
         authkey = secrets.token_bytes(32)
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
         env = {**os.environ, AUTHKEY_ENV: authkey.hex()}
-        self._process = subprocess.Popen([sys.executable, "-m", "engine.engine_core_child", address], env=env,
+        self._process = subprocess.Popen([sys.executable, "-m", "inflight.engine.engine_core_child", address], env=env,
                                          stdin=subprocess.DEVNULL)
         self._stopping = False
         try:
@@ -255,7 +255,7 @@ def child_main(address: str) -> int:
     try:
         if cpus:  # before the engine starts its compute threads, which inherit the mask
             os.sched_setaffinity(0, cpus)
-        from engine.llm_engine import LLMEngine
+        from inflight.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(model, **engine_args)
     except Exception as e:  # a bad argument: the server raises it as the in-process engine would

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from engine.engine_core import child_main
+from inflight.engine.engine_core import child_main
 
 if __name__ == "__main__":
     code = child_main(sys.argv[1])

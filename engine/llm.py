@@ -6,10 +6,10 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from engine.llm_engine import LLMEngine, PromptInput
-from engine.models.packaged import DEFAULT_MODEL
-from engine.outputs import RequestOutput
-from engine.sampling_params import PoolingParams, SamplingParams
+from inflight.engine.llm_engine import LLMEngine, PromptInput
+from inflight.engine.models.packaged import DEFAULT_MODEL
+from inflight.engine.outputs import RequestOutput
+from inflight.engine.sampling_params import PoolingParams, SamplingParams
 
 
 class LLM:

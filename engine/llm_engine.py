@@ -12,25 +12,25 @@ from itertools import compress, repeat
 from operator import attrgetter, sub
 from typing import Any, Callable, Iterable
 
-from engine.config import EngineConfig
-from engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
-from engine.models.packaged import DEFAULT_MODEL
-from engine.models.source import read_model_source
-from engine.model_runner import (LaunchedStep, ModelRunner, PromptOutput, RunnerOutput, SharedBudget, resolve_device,
+from inflight.engine.config import EngineConfig
+from inflight.engine.kv_diagnosis import EngineLimits, KVDiagnosis, StepSample, diagnose_kv
+from inflight.engine.models.packaged import DEFAULT_MODEL
+from inflight.engine.models.source import read_model_source
+from inflight.engine.model_runner import (LaunchedStep, ModelRunner, PromptOutput, RunnerOutput, SharedBudget, resolve_device,
                                  resolve_dtype)
-from engine.output_processor import CoreRecord, OutputProcessor
-from engine.outputs import RequestOutput
-from engine.persistent_batch import consume
-from engine.prefill_lane import PrefillLane
-from engine.request import Continuation, Request, RequestStatus
-from engine.sampler import SamplingBatch
-from engine.sampling_params import PoolingParams, SamplingParams
-from engine.scheduler import make_scheduler
-from engine.scheduler_output import SchedulerOutput, StepRecord
-from engine.speculative import Speculator
-from engine.speculative.draft import DraftProposer
-from engine.request_maker import PromptInput, RequestMaker
-from engine.ttft_predictor import QueueView, Rank, TTFTPredictor, check_deadline, predicts_for
+from inflight.engine.output_processor import CoreRecord, OutputProcessor
+from inflight.engine.outputs import RequestOutput
+from inflight.engine.persistent_batch import consume
+from inflight.engine.prefill_lane import PrefillLane
+from inflight.engine.request import Continuation, Request, RequestStatus
+from inflight.engine.sampler import SamplingBatch
+from inflight.engine.sampling_params import PoolingParams, SamplingParams
+from inflight.engine.scheduler import make_scheduler
+from inflight.engine.scheduler_output import SchedulerOutput, StepRecord
+from inflight.engine.speculative import Speculator
+from inflight.engine.speculative.draft import DraftProposer
+from inflight.engine.request_maker import PromptInput, RequestMaker
+from inflight.engine.ttft_predictor import QueueView, Rank, TTFTPredictor, check_deadline, predicts_for
 
 logger = logging.getLogger(__name__)
 

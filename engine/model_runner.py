@@ -22,18 +22,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.models.cpu_decode import FusedDecode
-from engine.models.cpu_packing import pack_linear_weights
-from engine.models.llama import CausalLM
-from engine.models.loader import build_model
-from engine.models.source import ModelSource
-from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
-from engine.structured_output import GrammarCompiler
-from engine.scheduler_output import PrefillBatch, PromptRow, SchedulerOutput
-from kernels import BatchLayout, get_attention_backend
-from kernels.dense_prefill import DensePrefillMetadata
+from inflight.engine.config import EngineConfig
+from inflight.engine.cuda_graphs import DecodeGraphs
+from inflight.engine.models.cpu_decode import FusedDecode
+from inflight.engine.models.cpu_packing import pack_linear_weights
+from inflight.engine.models.llama import CausalLM
+from inflight.engine.models.loader import build_model
+from inflight.engine.models.source import ModelSource
+from inflight.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from inflight.engine.structured_output import GrammarCompiler
+from inflight.engine.scheduler_output import PrefillBatch, PromptRow, SchedulerOutput
+from inflight.kernels import BatchLayout, get_attention_backend
+from inflight.kernels.dense_prefill import DensePrefillMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device
     # would be emulated. Under the CPU kernels bfloat16 layers keep a float32 residual stream
     # (CausalLM.residual_dtype): with transformers' bf16 stream the real model's logits moved by ~0.15 and, asked
     # for France's capital, it answered "L'Étoile, ..." at a near-tie where float32 says Paris (docs/benchmarks.md).
-    from kernels import cpu_kernels
+    from inflight.kernels import cpu_kernels
 
     hardware = cpu_kernels.bf16_hardware()
     if checkpoint_dtype not in ("bfloat16", "float16"):

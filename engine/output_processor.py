@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.request import Request
-from engine.tokenizer import Tokenizer
+from inflight.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from inflight.engine.request import Request
+from inflight.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from engine.sampler import TokenLogprobs
+    from inflight.engine.sampler import TokenLogprobs
 
 # What the core reports for one sequence after a step, in this order (plain builtins: it crosses processes):
 # (request_id, new_token_ids, finish_reason, stop_reason, raw logprobs of the new tokens or None,

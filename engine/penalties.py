@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request_state import PerRequestState
+from inflight.engine.request_state import PerRequestState
 
 
 @dataclass

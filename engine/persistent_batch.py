@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from inflight.engine.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.block_pool import KVCacheManager
-    from engine.request import Request
+    from inflight.engine.block_pool import KVCacheManager
+    from inflight.engine.request import Request
 
 _ID, _COMPUTED, _PENDING = attrgetter("request_id"), attrgetter("num_computed_tokens"), attrgetter("num_pending_tokens")
 _ALL, _OUTPUT, _STOP_IDS = attrgetter("all_token_ids"), attrgetter("output_token_ids"), attrgetter("stop_ids")

@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from engine.outputs import FinishReason
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import PrefillBatch, PromptRow
+from inflight.engine.outputs import FinishReason
+from inflight.engine.request import Request, RequestStatus
+from inflight.engine.scheduler_output import PrefillBatch, PromptRow
 
 
 class PrefillLane:

@@ -8,14 +8,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.block_hash import request_salt, salted_root
-from engine.outputs import FinishReason, RequestMetrics
-from engine.sampling_params import SamplingParams
+from inflight.engine.block_hash import request_salt, salted_root
+from inflight.engine.outputs import FinishReason, RequestMetrics
+from inflight.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.sampler import TokenLogprobs
+    from inflight.engine.sampler import TokenLogprobs
 
 _arrival_counter = itertools.count()
 

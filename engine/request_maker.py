@@ -10,10 +10,10 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from engine.request import Continuation, Request
-from engine.sampling_params import PoolingParams, SamplingParams
-from engine.structured_output import Constraints, GrammarCompiler, StructuredOutput
-from engine.tokenizer import Tokenizer
+from inflight.engine.request import Continuation, Request
+from inflight.engine.sampling_params import PoolingParams, SamplingParams
+from inflight.engine.structured_output import Constraints, GrammarCompiler, StructuredOutput
+from inflight.engine.tokenizer import Tokenizer
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 

@@ -14,10 +14,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.penalties import Penalties
-from engine.request import seeded_uniform
-from engine.sampling_params import SamplingParams
-from engine.structured_output import Constraints, GrammarCompiler
+from inflight.engine.penalties import Penalties
+from inflight.engine.request import seeded_uniform
+from inflight.engine.sampling_params import SamplingParams
+from inflight.engine.structured_output import Constraints, GrammarCompiler
 
 # (token id, logprob, rank) of the sampled token, then the top-n as (token id, logprob)
 TokenLogprobs = tuple[tuple[int, float, int], list[tuple[int, float]]]

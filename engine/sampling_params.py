@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from engine.structured_output import StructuredOutput
+from inflight.engine.structured_output import StructuredOutput
 
 # What each RequestOutput of a request carries (vLLM's RequestOutputKind): "cumulative", everything so far plus
 # what is new (new_token_ids, new_text); "delta", only what is new since the previous output (no per-step copy

@@ -11,12 +11,12 @@ import time
 from collections import deque
 from typing import Callable
 
-from engine.block_pool import BlockPool, KVCacheManager, KVCacheStats
-from engine.config import EngineConfig
-from engine.outputs import FinishReason
-from engine.persistent_batch import PersistentBatch
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import PLACEHOLDER_TOKEN_ID, PromptRow, SchedulerOutput
+from inflight.engine.block_pool import BlockPool, KVCacheManager, KVCacheStats
+from inflight.engine.config import EngineConfig
+from inflight.engine.outputs import FinishReason
+from inflight.engine.persistent_batch import PersistentBatch
+from inflight.engine.request import Request, RequestStatus
+from inflight.engine.scheduler_output import PLACEHOLDER_TOKEN_ID, PromptRow, SchedulerOutput
 
 
 Rank = tuple[bool, float, int]  # Scheduler.rank's key: smaller is served first

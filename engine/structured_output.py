@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.request_state import PerRequestState
+from inflight.engine.request_state import PerRequestState
 
 if TYPE_CHECKING:
     import torch

@@ -34,12 +34,12 @@ import copy
 import dataclasses
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-from engine.outputs import DeadlineUnmeetableError
-from engine.scheduler import Rank, fresh_rank
+from inflight.engine.outputs import DeadlineUnmeetableError
+from inflight.engine.scheduler import Rank, fresh_rank
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.request import Request
+    from inflight.engine.config import EngineConfig
+    from inflight.engine.request import Request
 
 MIN_OBSERVATIONS = 8  # steps seen before predictions are trusted
 DECODE_DECAY = 0.98  # the decode step is averaged over ~50 decode-only steps

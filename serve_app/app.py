@@ -10,9 +10,9 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.config import AppConfig
-from serve_app.replica import LLMReplica
-from serve_app.router import Router
+from inflight.serve_app.config import AppConfig
+from inflight.serve_app.replica import LLMReplica
+from inflight.serve_app.router import Router
 
 ROUTER_DRAIN_EXTRA_S = 60.0
 
@@ -34,7 +34,7 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
         "ray_actor_options": actor_options,
         "max_ongoing_requests": config.max_ongoing_requests_per_replica,
         "request_router_config": RequestRouterConfig(
-            request_router_class="serve_app.request_router:LLMRequestRouter",
+            request_router_class="inflight.serve_app.request_router:LLMRequestRouter",
             request_router_kwargs={"policy": config.routing_policy},
             request_routing_stats_period_s=config.routing_stats_period_s,
             request_routing_stats_timeout_s=5.0,

@@ -26,7 +26,7 @@ from typing import Any
 
 LOAD_METRIC = "llm_engine_load"
 SLOTS_METRIC = "llm_max_num_seqs"
-POLICY_PATH = "serve_app.autoscaling:LLMLoadPolicy"
+POLICY_PATH = "inflight.serve_app.autoscaling:LLMLoadPolicy"
 
 
 def replica_load(stats: dict[str, Any]) -> float:

@@ -6,11 +6,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.config import EngineConfig
-from engine.cpu_list import parse_cpu_list
-from engine.models.packaged import DEFAULT_MODEL
-from serve_app.admission import TenantLimits
-from serve_app.autoscaling import POLICY_PATH, LLMLoadPolicy
+from inflight.engine.config import EngineConfig
+from inflight.engine.cpu_list import parse_cpu_list
+from inflight.engine.models.packaged import DEFAULT_MODEL
+from inflight.serve_app.admission import TenantLimits
+from inflight.serve_app.autoscaling import POLICY_PATH, LLMLoadPolicy
 
 
 class RouterConfig(BaseModel):
@@ -93,7 +93,7 @@ class AppConfig(BaseModel):
     @classmethod
     def _api_keys_readable(cls, value: str | None) -> str | None:
         if value is not None:
-            from serve_app.gate import load_api_keys
+            from inflight.serve_app.gate import load_api_keys
 
             load_api_keys(value, environ={})  # a missing or malformed file fails here, before anything starts
         return value

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from engine.cpu_list import format_cpu_list, parse_cpu_list
+from inflight.engine.cpu_list import format_cpu_list, parse_cpu_list
 
 
 def engine_cpus_of(serve_config: dict[str, Any]) -> set[int]:

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.errors import (APIError, BodyTimeoutError, HeadersTooLargeError, RequestTooLargeError,
+from inflight.serve_app.errors import (APIError, BodyTimeoutError, HeadersTooLargeError, RequestTooLargeError,
                               UnauthorizedError)
 
 logger = logging.getLogger("ray.serve")

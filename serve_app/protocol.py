@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from engine.sampling_params import MAX_LOGIT_BIAS
-from serve_app.tools import Tool, ToolChoice, check_tools, forced_constraint, read_calls
+from inflight.engine.sampling_params import MAX_LOGIT_BIAS
+from inflight.serve_app.tools import Tool, ToolChoice, check_tools, forced_constraint, read_calls
 
 MAX_N = 16
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on inputs per request

@@ -31,17 +31,17 @@ from typing import Any, AsyncIterator
 import ray
 from ray import serve
 
-from engine import (AsyncLLMEngine, Continuation, DeadlineUnmeetableError, EngineDeadError, PoolingParams,
+from inflight.engine import (AsyncLLMEngine, Continuation, DeadlineUnmeetableError, EngineDeadError, PoolingParams,
                     SamplingParams)
-from engine.outputs import RequestOutput
-from engine.models.packaged import DEFAULT_MODEL
-from serve_app.admission import DrainRate
-from serve_app.autoscaling import autoscaling_metrics
-from serve_app.errors import (APIError, BadRequestError, EngineLost, OverloadedError, RequestTimeoutError,
+from inflight.engine.outputs import RequestOutput
+from inflight.engine.models.packaged import DEFAULT_MODEL
+from inflight.serve_app.admission import DrainRate
+from inflight.serve_app.autoscaling import autoscaling_metrics
+from inflight.serve_app.errors import (APIError, BadRequestError, EngineLost, OverloadedError, RequestTimeoutError,
                               ServiceUnavailableError, param_of_value_error)
-from serve_app.metrics import ReplicaMetrics
-from serve_app.responses import pack_embedding
-from serve_app.stream_channel import HEARTBEAT_S, ReplicaConnection, StreamOutbox
+from inflight.serve_app.metrics import ReplicaMetrics
+from inflight.serve_app.responses import pack_embedding
+from inflight.serve_app.stream_channel import HEARTBEAT_S, ReplicaConnection, StreamOutbox
 
 logger = logging.getLogger("ray.serve")
 

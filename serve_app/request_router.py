@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_block_hashes
+from inflight.serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_block_hashes
 
 # Each deployment's live replica ids, (app, deployment) -> ids, as this process's request routers last heard from
 # Serve's controller: the router deployment sends requests down replicas' own connections only while those cover

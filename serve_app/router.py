@@ -40,21 +40,21 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from serve_app import responses as R
-from serve_app.admission import AdmissionController, TenantLimiter
-from serve_app.config import RouterConfig
-from serve_app.errors import (ERROR_BODY_SCHEMA, ERROR_STATUSES, APIError, BadRequestError, EngineLost,
+from inflight.serve_app import responses as R
+from inflight.serve_app.admission import AdmissionController, TenantLimiter
+from inflight.serve_app.config import RouterConfig
+from inflight.serve_app.errors import (ERROR_BODY_SCHEMA, ERROR_STATUSES, APIError, BadRequestError, EngineLost,
                               ModelNotFoundError, OverloadedError, RequestTimeoutError, ServerError,
                               ServiceUnavailableError)
-from serve_app.metrics import RouterMetrics
-from engine.models.source import read_model_source
-from serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
-from serve_app.ingress import reclaim_own_port_at_restart
-from serve_app import request_router
-from serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_block_hashes
-from serve_app.stream_channel import End, ReplicaLink, StreamInbox, StreamLost
-from serve_app.tools import template_tools
-from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+from inflight.serve_app.metrics import RouterMetrics
+from inflight.engine.models.source import read_model_source
+from inflight.serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
+from inflight.serve_app.ingress import reclaim_own_port_at_restart
+from inflight.serve_app import request_router
+from inflight.serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_block_hashes
+from inflight.serve_app.stream_channel import End, ReplicaLink, StreamInbox, StreamLost
+from inflight.serve_app.tools import template_tools
+from inflight.serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                TokenizeRequest)
 
 logger = logging.getLogger("ray.serve")

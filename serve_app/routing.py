@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_hash import block_hashes, request_salt, salted_root
+from inflight.engine.block_hash import block_hashes, request_salt, salted_root
 
 POLICIES = ("least_loaded", "power_of_two", "round_robin", "prefix_affinity")
 MAX_STATS_AGE_S = 1.0

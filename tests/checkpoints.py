@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models.demo_tiny import CHAT_TEMPLATE, build_tokenizer
+from inflight.engine.models.demo_tiny import CHAT_TEMPLATE, build_tokenizer
 
 VOCAB_SIZE = 263  # demo-tiny's byte-level tokenizer
 EOS_ID = 2

@@ -1,7 +1,7 @@
 import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray >= 2.59 turns token auth on for local clusters
-from serve_app import ray_env  # noqa: E402
+from inflight.serve_app import ray_env  # noqa: E402
 
 ray_env.apply()  # the Serve settings `make run` and the image use, before any test starts Ray
 

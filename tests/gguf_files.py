@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.models.demo_tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+from inflight.engine.models.demo_tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 from tests.checkpoints import make_checkpoint
 
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}

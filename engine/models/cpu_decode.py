@@ -21,10 +21,10 @@ import ctypes
 import torch
 from torch import nn
 
-from kernels import cpu_kernels
-from kernels.cpu_backend import CpuPagedAttention
-from kernels.torch_ref import TorchAttentionMetadata
-from engine.models.cpu_packing import EVERY_ROW
+from inflight.kernels import cpu_kernels
+from inflight.kernels.cpu_backend import CpuPagedAttention
+from inflight.kernels.torch_ref import TorchAttentionMetadata
+from inflight.engine.models.cpu_packing import EVERY_ROW
 
 
 def _packed_for_pairs(linear: nn.Linear) -> bool:

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_kernels
+from inflight.kernels import cpu_kernels
 
 EXACT_ROWS = 16  # row counts up to this are used as they are (decode batches); above, padded to a bucket
 # Up to how many rows cpu_kernels.linear takes a matmul; None: what the kernels' build says (16 with AVX-512, 8 with

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from engine.models.config import ModelConfig
-from engine.tokenizer import Tokenizer
+from inflight.engine.models.config import ModelConfig
+from inflight.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from engine.models.llama import CausalLM
+    from inflight.engine.models.llama import CausalLM
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -53,7 +53,7 @@ def model_config() -> ModelConfig:
 
 
 def source():
-    from engine.models.source import DEMO_TINY, ModelSource
+    from inflight.engine.models.source import DEMO_TINY, ModelSource
 
     tokenizer = build_tokenizer()
     return ModelSource(DEMO_TINY, model_config(), tokenizer, frozenset({tokenizer.eos_token_id}),

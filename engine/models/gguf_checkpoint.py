@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.models.config import ModelConfig
-from engine.tokenizer import Tokenizer
+from inflight.engine.models.config import ModelConfig
+from inflight.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import gguf
@@ -254,7 +254,7 @@ def cached_description(path: Path) -> dict[str, Any]:
 
 def read_gguf_source(path: Path):
     """The ``ModelSource`` of a GGUF file."""
-    from engine.models.source import ModelSource
+    from inflight.engine.models.source import ModelSource
 
     description = cached_description(path)
     config = ModelConfig.from_hf(description["hf_config"])

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.config import ModelConfig
-from engine.models.rope import RotaryEmbedding, apply_rope
-from kernels import AttentionBackend
-from kernels.dense_prefill import dense_prefill_attention
+from inflight.engine.models.config import ModelConfig
+from inflight.engine.models.rope import RotaryEmbedding, apply_rope
+from inflight.kernels import AttentionBackend
+from inflight.kernels.dense_prefill import dense_prefill_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the step's positions

@@ -14,10 +14,10 @@ from typing import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from engine.models.gguf_checkpoint import read_gguf_tensors
-from engine.models.source import ModelSource
-from engine.models.llama import CausalLM
-from kernels import AttentionBackend
+from inflight.engine.models.gguf_checkpoint import read_gguf_tensors
+from inflight.engine.models.source import ModelSource
+from inflight.engine.models.llama import CausalLM
+from inflight.kernels import AttentionBackend
 
 
 # Hugging Face keeps q/k/v and gate/up apart; we fuse them. (our name, its name, shard index)
@@ -42,7 +42,7 @@ def build_model(source: ModelSource, backend: AttentionBackend, max_positions: i
     model.tie_weights()
     model.rotary.reset_tables()
     if source.weight_format == "builtin":
-        from engine.models import demo_tiny
+        from inflight.engine.models import demo_tiny
 
         demo_tiny.init_weights(model)
     elif load_format == "dummy":

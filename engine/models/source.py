@@ -10,10 +10,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.config import ModelConfig
-from engine.models.gguf_checkpoint import find_gguf_file, read_gguf_source
-from engine.models.packaged import PACKAGED_MODELS, packaged_model_path
-from engine.tokenizer import Tokenizer
+from inflight.engine.models.config import ModelConfig
+from inflight.engine.models.gguf_checkpoint import find_gguf_file, read_gguf_source
+from inflight.engine.models.packaged import PACKAGED_MODELS, packaged_model_path
+from inflight.engine.tokenizer import Tokenizer
 
 DEMO_TINY = "demo-tiny"
 
@@ -34,7 +34,7 @@ def read_model_source(name_or_path: str) -> ModelSource:
     """``name_or_path``: ``demo-tiny``, a packaged model's name (``PACKAGED_MODELS``), a GGUF file (or a
     directory holding one), or a Hugging Face checkpoint directory (``config.json``, ``*.safetensors``)."""
     if name_or_path == DEMO_TINY:
-        from engine.models import demo_tiny
+        from inflight.engine.models import demo_tiny
 
         return demo_tiny.source()
     path = packaged_model_path(name_or_path) if name_or_path in PACKAGED_MODELS else Path(name_or_path)

@@ -6,7 +6,7 @@ sampler's (``Sampler.verify``) and the bookkeeping the scheduler's (proposals ar
 decode row; rejected ones are rolled back by the computed-token count).
 """
 
-from engine.speculative.config import SpeculativeConfig
-from engine.speculative.speculator import Speculator
+from inflight.engine.speculative.config import SpeculativeConfig
+from inflight.engine.speculative.speculator import Speculator
 
 __all__ = ["SpeculativeConfig", "Speculator"]

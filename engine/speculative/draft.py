@@ -19,16 +19,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from engine.block_pool import KVCacheManager
-from engine.models.source import read_model_source
-from engine.sampler import SamplingBatch
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import SchedulerOutput
-from engine.speculative.proposers import Proposer
+from inflight.engine.block_pool import KVCacheManager
+from inflight.engine.models.source import read_model_source
+from inflight.engine.sampler import SamplingBatch
+from inflight.engine.sampling_params import SamplingParams
+from inflight.engine.scheduler_output import SchedulerOutput
+from inflight.engine.speculative.proposers import Proposer
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.request import Request
+    from inflight.engine.config import EngineConfig
+    from inflight.engine.request import Request
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -36,7 +36,7 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 class DraftProposer(Proposer):
     def __init__(self, draft_model: str, engine_config: "EngineConfig", max_model_len: int, vocab_size: int,
                  num_kv_blocks: int) -> None:
-        from engine.model_runner import ModelRunner  # the runner imports the sampler, which imports this package
+        from inflight.engine.model_runner import ModelRunner  # the runner imports the sampler, which imports this package
 
         source = read_model_source(draft_model)
         if source.config.vocab_size != vocab_size:

@@ -9,7 +9,7 @@ from array import array
 from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from inflight.engine.request import Request
 
 _TOKEN_BYTES = array("i").itemsize  # token ids as native 32-bit ints: searched with bytes.rfind, in C
 

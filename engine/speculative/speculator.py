@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.speculative.config import SpeculativeConfig
-from engine.speculative.proposers import Proposer, make_proposer
+from inflight.engine.speculative.config import SpeculativeConfig
+from inflight.engine.speculative.proposers import Proposer, make_proposer
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from inflight.engine.request import Request
 
 EXPLORE_EVERY = 16  # steps: one plain step, and one probe of the rows left out, per this many
 ACCEPTANCE_DECAY = 0.9  # a request's acceptance rate follows its last ~10 verified steps

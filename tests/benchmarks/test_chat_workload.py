@@ -8,7 +8,7 @@ from benchmarks import chat_texts
 from benchmarks.engine_run import check_output_lens, run_engine
 from benchmarks.models import resolve_model
 from benchmarks.workloads import OUTPUT_LEN_RANGE, build_workload, engine_args, request_params
-from engine.models.packaged import SMOLLM2, packaged_model_path
+from inflight.engine.models.packaged import SMOLLM2, packaged_model_path
 
 IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|> (its end of turn)
 
@@ -69,7 +69,7 @@ def test_a_model_without_a_chat_template_is_a_clear_error():
 def test_the_real_model_ends_some_turns_before_max_tokens(real):
     """Through our engine (one thread, a small KV cache): a request that ends its turn stops there, with <|im_end|>
     as its last token, and the run counts the tokens it really got."""
-    from engine import LLMEngine
+    from inflight.engine import LLMEngine
 
     requests = build_workload("chat", 3, seed=1, prompt_lens=(50, 90), output_lens=(40, 40), model=real)
     engine = LLMEngine(real.engine_model, **engine_args("continuous", 4, 256, 1, 32))

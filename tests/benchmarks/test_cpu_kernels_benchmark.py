@@ -7,7 +7,7 @@ import os
 import pytest
 
 from benchmarks import cpu_kernels as bench
-from kernels import cpu_kernels
+from inflight.kernels import cpu_kernels
 
 
 def test_one_row_per_kernel_and_a_column_per_width(capsys):

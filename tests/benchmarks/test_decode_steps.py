@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks import decode_steps
 from benchmarks.decode_steps import build_engine
-from engine.models import cpu_packing
+from inflight.engine.models import cpu_packing
 
 
 def test_steps_are_decode_steps_only_and_counted_per_row_count(capsys, monkeypatch):

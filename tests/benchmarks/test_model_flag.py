@@ -11,8 +11,8 @@ import yaml
 from benchmarks import offline, scheduler, serve_vs_vllm, serving, serving_overhead
 from benchmarks.models import RANDOM
 from benchmarks.workloads import MODEL_NAME
-from engine.models.packaged import SMOLLM2, packaged_model_path
-from serve_app.config import AppConfig
+from inflight.engine.models.packaged import SMOLLM2, packaged_model_path
+from inflight.serve_app.config import AppConfig
 
 
 def gguf_path() -> str:

@@ -12,7 +12,7 @@ import pytest
 from benchmarks import models
 from benchmarks.models import BenchModel, export_dir, export_hf_checkpoint, resolve_model
 from benchmarks.workloads import FIRST_WORD_ID, MODEL_NAME, VOCAB_SIZE, build_checkpoint
-from engine.models.packaged import DEFAULT_MODEL, SMOLLM2, packaged_model_path
+from inflight.engine.models.packaged import DEFAULT_MODEL, SMOLLM2, packaged_model_path
 from tests.gguf_files import write_gguf
 
 
@@ -107,9 +107,9 @@ def test_the_export_is_a_checkpoint_our_engine_and_transformers_read_as_the_gguf
     import transformers
     from safetensors.torch import load_file
 
-    from engine import LLM, SamplingParams
-    from engine.models.gguf_checkpoint import cached_description, read_gguf_tensors
-    from engine.models.source import read_model_source
+    from inflight.engine import LLM, SamplingParams
+    from inflight.engine.models.gguf_checkpoint import cached_description, read_gguf_tensors
+    from inflight.engine.models.source import read_model_source
 
     # a stale half-written export and a directory without its .complete marker are never used
     target = export_dir(tiny_gguf, tmp_path)
@@ -158,7 +158,7 @@ def test_the_export_is_a_checkpoint_our_engine_and_transformers_read_as_the_gguf
 def test_the_real_models_export_gives_the_same_greedy_tokens_as_the_gguf():
     """SmolLM2 exported into the benchmark cache (once: ~540 MB, float32), loaded by our engine: the same greedy
     tokens as the GGUF file for a short chat prompt."""
-    from engine import LLM, SamplingParams
+    from inflight.engine import LLM, SamplingParams
 
     real_gguf()
     model = resolve_model(SMOLLM2)

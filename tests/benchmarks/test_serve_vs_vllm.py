@@ -7,8 +7,8 @@ from pathlib import Path
 import yaml
 
 from benchmarks import serve_vs_vllm
-from serve_app.config import AppConfig
-from serve_app.cpu_plan import serving_cpus
+from inflight.serve_app.config import AppConfig
+from inflight.serve_app.cpu_plan import serving_cpus
 
 CHECKPOINT = Path("/models/bench")
 

@@ -143,7 +143,7 @@ def test_a_role_may_have_a_limit_of_its_own():
     ("ray::ServeReplica:inflight:LLMReplica.initialize_and_get_metadata", "inflight", "replica"),
     ("ray::ServeReplica:fuzz:LLMReplica", "inflight", None),  # another app's
     ("ray::IDLE", None, None),
-    ("/usr/bin/python -m engine.engine_core_child /tmp/x/core.sock", None, None),  # found as a replica's child
+    ("/usr/bin/python -m inflight.engine.engine_core_child /tmp/x/core.sock", None, None),  # found as a replica's child
 ])
 def test_serve_processes_are_told_apart_by_title(title, app, role):
     assert serve_processes.role_of(title, app) == role

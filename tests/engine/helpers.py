@@ -7,10 +7,10 @@ import threading
 import time as _time
 from typing import Any
 
-from engine import LLM, AsyncLLMEngine, LLMEngine, SamplingParams
-from engine.config import EngineConfig
-from engine.request import Request
-from engine.scheduler import Scheduler, make_scheduler as _make_scheduler
+from inflight.engine import LLM, AsyncLLMEngine, LLMEngine, SamplingParams
+from inflight.engine.config import EngineConfig
+from inflight.engine.request import Request
+from inflight.engine.scheduler import Scheduler, make_scheduler as _make_scheduler
 
 EOS_ID = 2  # demo-tiny's and the test checkpoints' eos
 FIRST_BYTE_ID = 7  # ids below this are special tokens in the byte-level vocabulary
@@ -115,7 +115,7 @@ async def assert_engine_dead(aengine, stream) -> None:
     all raise ``EngineDeadError``."""
     import pytest
 
-    from engine import EngineDeadError
+    from inflight.engine import EngineDeadError
 
     with pytest.raises(EngineDeadError):
         async for _ in stream:
@@ -131,7 +131,7 @@ def launch_ahead(monkeypatch, runner) -> list[int]:
     launched: no step counts as done until it is collected, so each step is launched before the one before it is
     collected, and its placeholder rows take their tokens from that step's token tensor (on a CPU a step is
     computed by its launch, and is handed over at once). Returns a list that counts those launches."""
-    from engine.model_runner import LaunchedStep
+    from inflight.engine.model_runner import LaunchedStep
 
     monkeypatch.setattr(LaunchedStep, "done", lambda step: step.tokens is None)
     ahead: list[int] = []
@@ -172,13 +172,10 @@ def hand_clock(monkeypatch) -> HandClock:
     """The engine's wall clock, moved by the test: a request's arrival, the scheduler's deadlines and aging, the
     queue views admission predicts from and its ``now`` (and the async engine's pacing clock). How long the
     machine really takes between two steps, or between a view and a request, then decides nothing."""
-    import engine.async_engine
-    import engine.llm_engine
-    import engine.request
-    import engine.scheduler
+    from inflight.engine import async_engine, llm_engine, request, scheduler
 
     clock = HandClock(_time.time())
-    for module in (engine.request, engine.scheduler, engine.llm_engine, engine.async_engine):
+    for module in (request, scheduler, llm_engine, async_engine):
         monkeypatch.setattr(module, "time", clock)
     return clock
 

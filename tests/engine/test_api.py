@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, LLMEngine, RequestOutput, SamplingParams
+from inflight.engine import LLM, LLMEngine, RequestOutput, SamplingParams
 from tests.engine.helpers import generate_ids, greedy, make_engine, make_llm, random_prompts, run_engine
 
 

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from engine import AsyncLLMEngine, EngineDeadError
+from inflight.engine import AsyncLLMEngine, EngineDeadError
 from tests.engine.helpers import LockstepEngine, assert_engine_dead, generate_ids, greedy, make_engine, random_prompts
 
 TIMEOUT_S = 30

@@ -15,7 +15,7 @@ import collections
 
 import pytest
 
-from engine import PoolingParams, SamplingParams
+from inflight.engine import PoolingParams, SamplingParams
 from tests.engine.helpers import launch_ahead, make_engine, random_prompts
 
 PREFIX = random_prompts(1, 24, 24, seed=5)[0]
@@ -181,7 +181,7 @@ def test_a_table_that_grows_while_its_step_is_prepared_moves_no_other_row():
     N+2, which grows the same block-table lists. The runner reads each table once: a row whose table grows
     between its reads (simulated by a table that grows just after its length is read) must not shift the blocks of
     the rows after it, which would send their KV writes and reads to other requests' blocks."""
-    from engine.scheduler_output import SchedulerOutput
+    from inflight.engine.scheduler_output import SchedulerOutput
 
     class GrowsWhenMeasured(list):
         def __len__(self):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from engine.block_hash import block_hashes
-from engine.block_pool import KVCacheManager
+from inflight.engine.block_hash import block_hashes
+from inflight.engine.block_pool import KVCacheManager
 
 
 def test_block_hashes_are_the_prefix_caches_hashes():
@@ -35,7 +35,7 @@ def test_a_block_hash_names_its_whole_prefix():
 
 def test_block_hashes_are_the_same_in_another_process():
     """Routers and replicas are different processes, each with its own PYTHONHASHSEED."""
-    code = "from engine.block_hash import block_hashes; print(block_hashes(list(range(40)), 16))"
+    code = "from inflight.engine.block_hash import block_hashes; print(block_hashes(list(range(40)), 16))"
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip() for seed in ("1", "2")}
     assert runs == {str(block_hashes(list(range(40)), 16))}

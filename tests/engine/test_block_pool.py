@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
-from engine.block_pool import KVCacheManager
-from engine.request import RequestStatus
+from inflight.engine.block_pool import KVCacheManager
+from inflight.engine.request import RequestStatus
 from tests.engine.helpers import make_request, make_scheduler
 
 STATEFUL = settings(max_examples=50, stateful_step_count=30, deadline=None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Continuation, SamplingParams, StructuredOutput
+from inflight.engine import Continuation, SamplingParams, StructuredOutput
 from tests.engine.helpers import make_engine, random_prompts
 
 PROMPTS = random_prompts(8, 6, 24, seed=41)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import cpu_decode
-from kernels import cpu_kernels
+from inflight.engine.models import cpu_decode
+from inflight.kernels import cpu_kernels
 from tests.engine.helpers import greedy, make_engine, random_prompts
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_dot_products(),

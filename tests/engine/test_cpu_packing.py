@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import cpu_packing
-from kernels import cpu_kernels
+from inflight.engine.models import cpu_packing
+from inflight.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_packing.packing_available(), reason="this torch has no oneDNN linear")
 requires_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels did not build here")
@@ -182,6 +182,6 @@ def test_engine_pads_a_forward_once_and_drops_the_padding(checkpoint):
 
 
 def _dense_metadata(num_tokens: int):
-    from kernels.dense_prefill import DensePrefillMetadata
+    from inflight.kernels.dense_prefill import DensePrefillMetadata
 
     return DensePrefillMetadata([num_tokens])

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from engine import AsyncLLMEngine, DeadlineUnmeetableError, SamplingParams
-from engine.ttft_predictor import MIN_OBSERVATIONS, TTFTPredictor
+from inflight.engine import AsyncLLMEngine, DeadlineUnmeetableError, SamplingParams
+from inflight.engine.ttft_predictor import MIN_OBSERVATIONS, TTFTPredictor
 from tests.engine.helpers import (
     ENGINE_DEFAULTS,
     greedy,

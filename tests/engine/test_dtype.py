@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from engine import model_runner
-from engine.model_runner import resolve_dtype
-from kernels import cpu_kernels
+from inflight.engine import model_runner
+from inflight.engine.model_runner import resolve_dtype
+from inflight.kernels import cpu_kernels
 from tests.engine.helpers import make_engine
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from engine import AsyncLLMEngine, DeadlineUnmeetableError, PoolingParams, SamplingParams
+from inflight.engine import AsyncLLMEngine, DeadlineUnmeetableError, PoolingParams, SamplingParams
 from tests.engine.helpers import (ENGINE_DEFAULTS, LockstepEngine, assert_engine_dead, greedy, make_engine,
                                   random_prompts, run_engine)
 

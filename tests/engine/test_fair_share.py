@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from inflight.engine import SamplingParams
 from tests.engine.helpers import make_engine, random_prompts
 
 PROMPTS = random_prompts(40, 8, 16, seed=41)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine import AsyncLLMEngine
+from inflight.engine import AsyncLLMEngine
 from tests.engine.helpers import ENGINE_DEFAULTS, greedy, make_engine, random_prompts, run_engine
 
 PROMPTS = random_prompts(4, 6, 20, seed=21)

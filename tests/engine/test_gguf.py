@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.models import gguf_checkpoint
-from engine.models.packaged import PACKAGED_MODELS, SMOLLM2, packaged_model_path
-from engine.models.source import read_model_source
+from inflight.engine import LLM, SamplingParams
+from inflight.engine.models import gguf_checkpoint
+from inflight.engine.models.packaged import PACKAGED_MODELS, SMOLLM2, packaged_model_path
+from inflight.engine.models.source import read_model_source
 from tests.gguf_files import permute, write_gguf
 
 MAX_TOKENS = 16
@@ -157,7 +157,7 @@ def test_an_unsupported_architecture_or_tokenizer_is_named(tmp_path):
 
 
 def test_a_packaged_model_that_is_not_installed_says_how_to_install_it(monkeypatch):
-    from engine.models import packaged
+    from inflight.engine.models import packaged
 
     monkeypatch.setitem(packaged.PACKAGED_MODELS, "missing-model",
                         packaged.PackagedModel("inflight-no-such-distribution", "1.0", "x.gguf"))

@@ -12,7 +12,7 @@ def test_too_few_slots_for_the_kv_cache_is_diagnosed(caplog):
     engine = make_engine(max_num_seqs=2, num_kv_blocks=256, block_size=4)  # 1,024 token slots for 2 requests
     for i, prompt in enumerate(random_prompts(40, 5, 15, seed=1)):
         engine.add_request(f"r{i}", prompt, greedy(20))
-    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+    with caplog.at_level(logging.WARNING, logger="inflight.engine.llm_engine"):
         run_engine(engine, max_steps=5000)
     stats = engine.stats()
     assert stats["kv_diagnosis_cause"] == "max_num_seqs", stats["kv_diagnosis"]

@@ -12,7 +12,7 @@ import collections
 
 import pytest
 
-from engine import AsyncLLMEngine, SamplingParams
+from inflight.engine import AsyncLLMEngine, SamplingParams
 from tests.engine.helpers import make_engine, random_prompts
 
 PROMPTS = random_prompts(3, 6, 14, seed=11)
@@ -96,7 +96,7 @@ def test_kinds_mix_in_one_batch():
 
 
 def test_llm_generate_stays_cumulative_whatever_kind_is_asked():
-    from engine import LLM
+    from inflight.engine import LLM
 
     llm = LLM("demo-tiny", block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
     [want] = llm.generate([PROMPTS[0]], params_for("cumulative"))

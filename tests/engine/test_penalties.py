@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
+from inflight.engine import SamplingParams
 from tests.checkpoints import ARCHITECTURES, hf_greedy, hf_logits
 from tests.engine.helpers import generate_ids, greedy, make_engine, random_prompts
 

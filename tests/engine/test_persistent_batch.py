@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from inflight.engine import SamplingParams
 from tests.engine.helpers import make_engine, random_prompts
 from tests.engine.test_async_scheduling import drive, joined, stops, workload  # noqa: F401 (a fixture)
 

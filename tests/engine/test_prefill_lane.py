@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from engine import AsyncLLMEngine, LLMEngine, PoolingParams, SamplingParams
-from engine.config import EngineConfig
-from engine.prefill_lane import PrefillLane
+from inflight.engine import AsyncLLMEngine, LLMEngine, PoolingParams, SamplingParams
+from inflight.engine.config import EngineConfig
+from inflight.engine.prefill_lane import PrefillLane
 from tests.checkpoints import hf_greedy, hf_logits, hf_model
 from tests.engine.helpers import greedy, make_engine, make_llm, make_request, random_prompts, run_engine
 

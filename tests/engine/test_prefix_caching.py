@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from engine.block_pool import BlockPool, KVCacheManager
+from inflight.engine.block_pool import BlockPool, KVCacheManager
 from tests.checkpoints import hf_greedy
 from tests.engine.helpers import FIRST_BYTE_ID, generate_ids, greedy, make_engine
 
@@ -130,8 +130,8 @@ def test_cache_salts_keep_requests_apart():
 
 
 def test_the_router_hashes_a_salted_prompt_as_the_engine_does():
-    from engine.block_hash import block_hashes, salted_root
-    from serve_app.routing import prompt_block_hashes
+    from inflight.engine.block_hash import block_hashes, salted_root
+    from inflight.serve_app.routing import prompt_block_hashes
 
     stats = [{"block_size": 4}]
     assert prompt_block_hashes(SYSTEM, stats) == block_hashes(SYSTEM, 4, 64)

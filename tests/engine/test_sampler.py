@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingBatch, _nucleus_threshold, _top_k_threshold
-from engine.sampling_params import SamplingParams
+from inflight.engine.sampler import Sampler, SamplingBatch, _nucleus_threshold, _top_k_threshold
+from inflight.engine.sampling_params import SamplingParams
 
 
 class _Request:  # what the sampler reads of a seeded row's request
@@ -112,7 +112,7 @@ def test_seeded_draws_follow_the_softmax_and_repeat_exactly():
 
 
 def test_a_token_of_probability_zero_is_never_drawn_at_the_ends_of_the_uniform():
-    from engine.sampler import _inverse_cdf
+    from inflight.engine.sampler import _inverse_cdf
 
     probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0], [0.0, 0.0, 1e-30, 0.0, 0.5, 0.0]])
     largest_below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
+from inflight.engine import SamplingParams
 from tests.checkpoints import hf_logits
 from tests.engine.helpers import (EOS_ID, generate_ids, greedy, make_engine, random_prompts, run_engine)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from inflight.engine.request import Request, RequestStatus
+from inflight.engine.sampling_params import SamplingParams
 from tests.engine.helpers import EOS_ID, fake_step, hand_clock, make_request, make_requests, make_scheduler
 
 

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.request import Request
-from engine.sampler import Sampler, SamplingBatch
-from engine.speculative.proposers import NgramProposer
-from engine.speculative.speculator import StepCostModel, _worthwhile
-from engine.structured_output import StructuredOutput
+from inflight.engine import SamplingParams
+from inflight.engine.request import Request
+from inflight.engine.sampler import Sampler, SamplingBatch
+from inflight.engine.speculative.proposers import NgramProposer
+from inflight.engine.speculative.speculator import StepCostModel, _worthwhile
+from inflight.engine.structured_output import StructuredOutput
 from tests.checkpoints import ARCHITECTURES, hf_greedy
 from tests.engine.helpers import VOCAB_SIZE, greedy, make_engine, random_prompts, run_engine
 
@@ -330,7 +330,7 @@ def test_bad_speculative_settings_are_refused(spec, overrides, message):
 
 def test_a_draft_takes_its_kv_from_the_same_budget(checkpoint):
     """Sized in bytes, the target's blocks and the draft's (as many) fit the one budget together."""
-    from engine.models.source import read_model_source
+    from inflight.engine.models.source import read_model_source
 
     path = checkpoint("llama")
     budget = 1 << 20
@@ -348,7 +348,7 @@ def test_a_draft_takes_its_kv_from_the_same_budget(checkpoint):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_parameter_count_matches_the_model(checkpoint, arch):
     """What the budget sets aside for a draft's weights on a GPU: ModelConfig.num_parameters, exactly."""
-    from engine.models.source import read_model_source
+    from inflight.engine.models.source import read_model_source
 
     path = checkpoint(arch)
     engine = make_engine(path)

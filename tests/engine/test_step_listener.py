@@ -37,7 +37,7 @@ def test_a_step_that_runs_nothing_is_recorded_too():
     still hears of it, since benchmarks advance their step clock by every step's duration."""
     import threading
 
-    from engine import SamplingParams, StructuredOutput
+    from inflight.engine import SamplingParams, StructuredOutput
     from tests.engine.helpers import make_engine
 
     engine = make_engine()

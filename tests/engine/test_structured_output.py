@@ -10,7 +10,7 @@ import re
 import pytest
 from jsonschema import Draft202012Validator
 
-from engine import LLM, SamplingParams, StructuredOutput
+from inflight.engine import LLM, SamplingParams, StructuredOutput
 from tests.engine.helpers import make_engine, random_prompts
 
 SCHEMA = {
@@ -153,7 +153,7 @@ def test_a_compile_that_overruns_its_bound_is_a_value_error():
     import asyncio
     import threading
 
-    from engine import AsyncLLMEngine
+    from inflight.engine import AsyncLLMEngine
 
     async def main():
         aengine = AsyncLLMEngine(engine=make_engine())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.ttft_predictor import (
+from inflight.engine.ttft_predictor import (
     DECODE_DECAY,
     MAX_STEP_RATIO,
     MIN_OBSERVATIONS,

@@ -31,7 +31,7 @@ def test_one_ray_version_everywhere():
 def test_image_installs_the_project_with_its_gpu_extras_and_every_pod_runs_it():
     text = DOCKERFILE.read_text()
     assert re.search(r'pip install [^\n]*"\.\[[^\]]*\bgpu\b[^\]]*\]"', text), "the GPU extras (triton, flash-attn)"
-    for package in ("engine", "kernels", "serve_app"):
+    for package in ("inflight", "engine", "kernels", "serve_app"):  # (inflight/ and the folders it maps)
         assert re.search(rf"^COPY .*\b{package}\b", text, flags=re.MULTILINE), package
     cluster = the("RayService")["spec"]["rayClusterConfig"]
     templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
@@ -40,7 +40,7 @@ def test_image_installs_the_project_with_its_gpu_extras_and_every_pod_runs_it():
 
 
 def test_image_starts_ray_with_the_serve_settings_make_run_uses():
-    from serve_app.ray_env import SERVE_ENV
+    from inflight.serve_app.ray_env import SERVE_ENV
 
     text = DOCKERFILE.read_text().replace("\\\n", " ")  # continuation lines joined
     env_lines = re.findall(r"^ENV\s+(.*)$", text, flags=re.MULTILINE)

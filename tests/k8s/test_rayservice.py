@@ -10,7 +10,7 @@ import yaml
 
 from jsonschema import Draft7Validator
 
-from serve_app.config import AppConfig
+from inflight.serve_app.config import AppConfig
 from tests.k8s.manifests import the, worker_pod_spec_schema
 
 RAYSERVICE = Path(__file__).resolve().parents[2] / "k8s" / "rayservice.yaml"
@@ -136,7 +136,7 @@ def test_models_loader_fills_the_pvc_where_the_config_looks(rayservice):
 def test_pods_outlive_the_apps_drain(rayservice):
     """A stopping pod's replicas have drain_timeout_s to finish or hand over their requests, and its routers a
     minute more for their streams: Kubernetes must not kill the pod before (terminationGracePeriodSeconds)."""
-    from serve_app.app import ROUTER_DRAIN_EXTRA_S
+    from inflight.serve_app.app import ROUTER_DRAIN_EXTRA_S
 
     drain = AppConfig.model_validate(_app_args(rayservice)).drain_timeout_s
     cluster = _cluster(rayservice)

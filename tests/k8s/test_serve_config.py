@@ -12,7 +12,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.config import AppConfig
+from inflight.serve_app.config import AppConfig
 from tests.k8s.manifests import K8S_DIR, load_documents, manifest_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def test_serve_config_v2_validates_against_ray_serve_schema(name, text):
     schema = ServeDeploySchema.model_validate(yaml.safe_load(text))
     assert schema.applications, name
     for app in schema.applications:
-        assert app.import_path == "serve_app.app:build_app"
+        assert app.import_path == "inflight.serve_app.app:build_app"
         AppConfig.model_validate(app.args)  # what build_app does first: names any bad argument
 
 
@@ -62,7 +62,7 @@ def test_sync_check_fails_on_drift_and_sync_repairs_it(tmp_path):
 
 
 @pytest.mark.parametrize("change, named", [
-    ("import_path: serve_app.app:build_app", "import_path"),
+    ("import_path: inflight.serve_app.app:build_app", "import_path"),
     ("route_prefix: /", "route_prefix"),
 ])
 def test_a_broken_serve_config_fails_ray_serve_schema(change, named):

@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from kernels import BatchLayout
+from inflight.kernels import BatchLayout
 
 NUM_HEADS = 8
 SPARE_BLOCKS = 5  # blocks nobody holds

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import cpu_kernels
+from inflight.kernels import cpu_kernels
 
 
 @pytest.fixture(scope="module", params=["8", "16"])

@@ -15,17 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import RMSNorm
-from engine.models.rope import apply_rope
-from kernels import BatchLayout, cpu_kernels, get_attention_backend
-from kernels.torch_ref import TorchPagedAttention
+from inflight.engine.models.llama import RMSNorm
+from inflight.engine.models.rope import apply_rope
+from inflight.kernels import BatchLayout, cpu_kernels, get_attention_backend
+from inflight.kernels.torch_ref import TorchPagedAttention
 from tests.kernels.cases import NUM_HEADS, batch_rows, naive_attention, run_case
 
 if cpu_kernels.load() is None:
     pytest.skip("the CPU kernels did not build here (no C++ compiler, or INFLIGHT_CPU_KERNELS=0)",
                 allow_module_level=True)
 
-from kernels.cpu_backend import CpuPagedAttention  # noqa: E402
+from inflight.kernels.cpu_backend import CpuPagedAttention  # noqa: E402
 
 TOKEN_COUNTS = [0, 1, 13, 300]  # 300 x hidden crosses the kernels' threading threshold (1 << 15 elements)
 LONG = 700

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_kernels
+from inflight.kernels import cpu_kernels
 from tests.kernels.test_cpu_kernels import PagedContext, decode_seq_lens
 
 if cpu_kernels.load() is None:

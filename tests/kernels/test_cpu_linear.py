@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernels
+from inflight.kernels import cpu_kernels
 
 if cpu_kernels.load() is None:
     pytest.skip("the CPU kernels did not build here (no C++ compiler, or INFLIGHT_CPU_KERNELS=0)",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_kernels, get_attention_backend
-from kernels.dense_prefill import DensePrefillMetadata, dense_prefill_attention, sdpa_prompt_attention
+from inflight.kernels import cpu_kernels, get_attention_backend
+from inflight.kernels.dense_prefill import DensePrefillMetadata, dense_prefill_attention, sdpa_prompt_attention
 from tests.kernels.cases import NUM_HEADS, naive_attention
 
 

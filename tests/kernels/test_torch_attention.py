@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import BatchLayout
-from kernels.torch_ref import TorchPagedAttention
+from inflight.kernels import BatchLayout
+from inflight.kernels.torch_ref import TorchPagedAttention
 from tests.kernels.cases import NUM_HEADS, batch_rows, naive_attention, run_case
 
 

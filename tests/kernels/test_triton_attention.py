@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import BatchLayout  # noqa: E402
-from kernels.triton_backend import TritonPagedAttention  # noqa: E402
+from inflight.kernels import BatchLayout  # noqa: E402
+from inflight.kernels.triton_backend import TritonPagedAttention  # noqa: E402
 from tests.kernels.cases import NUM_HEADS, batch_rows, run_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from engine.models.llama import RMSNorm  # noqa: E402
-from engine.models.rope import apply_rope  # noqa: E402
-from kernels import triton_fused  # noqa: E402
+from inflight.engine.models.llama import RMSNorm  # noqa: E402
+from inflight.engine.models.rope import apply_rope  # noqa: E402
+from inflight.kernels import triton_fused  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -28,7 +28,7 @@ AUTOSCALING = {
     "upscale_delay_s": 1,
     "downscale_delay_s": 4,
     "look_back_period_s": 2,
-    "policy": {"policy_function": "serve_app.autoscaling:LLMLoadPolicy", "policy_kwargs": {"target_load": 0.8}},
+    "policy": {"policy_function": "inflight.serve_app.autoscaling:LLMLoadPolicy", "policy_kwargs": {"target_load": 0.8}},
 }
 NUM_CLIENTS = 12
 

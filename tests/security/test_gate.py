@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.config import AppConfig
-from serve_app.gate import load_api_keys
+from inflight.serve_app.config import AppConfig
+from inflight.serve_app.gate import load_api_keys
 
 
 def test_keys_from_the_environment_and_a_file(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.admission import TenantLimiter, TenantLimits
+from inflight.serve_app.admission import TenantLimiter, TenantLimits
 
 
 class Clock:

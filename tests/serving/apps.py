@@ -41,8 +41,8 @@ def deploy_app(args: dict[str, Any], name: str, route_prefix: str, timeout: floa
     """
     from ray import serve
 
-    from serve_app.app import make_app
-    from serve_app.config import AppConfig
+    from inflight.serve_app.app import make_app
+    from inflight.serve_app.config import AppConfig
 
     app = make_app(AppConfig(**args), engine_cls=None)
     serve.run_many([serve.RunTarget(target=app, name=name, route_prefix=route_prefix)],

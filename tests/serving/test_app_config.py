@@ -16,8 +16,8 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 from ray.serve.scripts import convert_args_to_dict
 
-from serve_app.app import build_app
-from serve_app.config import AppConfig
+from inflight.serve_app.app import build_app
+from inflight.serve_app.config import AppConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +25,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 
 
 def serve_run_args(*cli_args: str):
-    """What ``serve run serve_app.app:build_app key=value ...`` does with its arguments."""
+    """What ``serve run inflight.serve_app.app:build_app key=value ...`` does with its arguments."""
     return call_user_app_builder_with_args_if_necessary(build_app, convert_args_to_dict(cli_args))
 
 
@@ -103,7 +103,7 @@ LOCAL_CONFIGS = [p for p in CONFIGS if p.name != "gpu-llama.yaml"]  # gpu-llama.
 def test_a_local_config_leaves_the_api_port_to_its_router(path):
     """`make run` serves the API from the router itself on API_PORT (serve_app/ray_env.py); Serve's proxy, which
     starts first, must not hold that port, or the router would take the next one and :8000 would be the proxy's."""
-    from serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT, LOCAL_SERVE_ENV
+    from inflight.serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT, LOCAL_SERVE_ENV
 
     raw = yaml.safe_load(path.read_text())
     assert raw["http_options"]["port"] == LOCAL_PROXY_PORT != API_PORT
@@ -127,9 +127,9 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_serve_settings_applied_after_ray_serve_is_imported_are_refused():
     """Serve reads its settings once, at import, and a handle made in that process keeps them: applied too late,
     the app's router would call its replicas the way make run's does not (by reference rather than by gRPC)."""
-    late = _python("import ray.serve\nfrom serve_app import ray_env\nray_env.apply(local=True)")
+    late = _python("import ray.serve\nfrom inflight.serve_app import ray_env\nray_env.apply(local=True)")
     assert late.returncode != 0 and "apply it first" in late.stderr
-    early = _python("from serve_app import ray_env\nray_env.apply(local=True)\n"
+    early = _python("from inflight.serve_app import ray_env\nray_env.apply(local=True)\n"
                     "from ray.serve._private.handle_options import DynamicHandleOptions\n"
                     "assert not DynamicHandleOptions()._by_reference")
     assert early.returncode == 0, early.stderr

@@ -7,9 +7,9 @@ import math
 import pytest
 from ray.serve.config import AutoscalingConfig
 
-from serve_app.autoscaling import (LOAD_METRIC, POLICY_PATH, SLOTS_METRIC, LLMLoadPolicy, autoscaling_metrics,
+from inflight.serve_app.autoscaling import (LOAD_METRIC, POLICY_PATH, SLOTS_METRIC, LLMLoadPolicy, autoscaling_metrics,
                                    desired_replicas, replica_load)
-from serve_app.config import AppConfig
+from inflight.serve_app.config import AppConfig
 
 
 def stats(running=0, waiting=0, slots=4, kv_used=0, kv_total=100):

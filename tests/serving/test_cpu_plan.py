@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu_list import format_cpu_list, parse_cpu_list
-from serve_app.config import AppConfig
-from serve_app.cpu_plan import serving_cpus
+from inflight.engine.cpu_list import format_cpu_list, parse_cpu_list
+from inflight.serve_app.config import AppConfig
+from inflight.serve_app.cpu_plan import serving_cpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_ray_gets_the_cpus_the_engines_leave():
 
 @pytest.mark.parametrize("config, reserved", [("bench-vs-vllm.yaml", {0}), ("demo.yaml", set())])
 def test_the_command_prints_a_taskset_list_for_a_config(config, reserved):
-    done = subprocess.run([sys.executable, "-m", "serve_app.cpu_plan", str(ROOT / "configs" / config)],
+    done = subprocess.run([sys.executable, "-m", "inflight.serve_app.cpu_plan", str(ROOT / "configs" / config)],
                           capture_output=True, text=True, cwd=ROOT, check=True)
     rest = set(os.sched_getaffinity(0)) - reserved
     expected = format_cpu_list(rest) if reserved and rest else ""

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from serve_app.responses import finish_reason
-from serve_app.tools import NamedFunction, NamedToolChoice, Tool, forced_constraint, read_calls
+from inflight.serve_app.responses import finish_reason
+from inflight.serve_app.tools import NamedFunction, NamedToolChoice, Tool, forced_constraint, read_calls
 
 TOOLS = [Tool.model_validate({"type": "function", "function": {"name": name, "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
@@ -17,7 +17,7 @@ TOOLS = [Tool.model_validate({"type": "function", "function": {"name": name, "pa
 
 def test_a_required_call_writes_its_name_before_its_arguments():
     spec = forced_constraint(TOOLS, "required", parallel=True)["spec"]
-    from engine.structured_output import StructuredOutput
+    from inflight.engine.structured_output import StructuredOutput
 
     normalized = json.loads(StructuredOutput("json", spec).spec)
     assert list(normalized["items"]["anyOf"][0]["properties"]) == ["name", "arguments"]

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from engine import LLM, PoolingParams, SamplingParams
+from inflight.engine import LLM, PoolingParams, SamplingParams
 from tests.serving.helpers import (COMPLETION_ECHO, MODEL, assert_error_body, assert_schema, completion_body,
                                    post_stream)
 

@@ -76,7 +76,7 @@ def test_text_and_chat_prompts_are_tokenized_by_the_router_the_engine_s_way(affi
             assert response.status_code == 200, response.text
     wait_idle(affinity, timeout=30, num_replicas=2)
     assert _hits(affinity) - before >= 2 * 2 * 8 * BLOCK_SIZE  # each of the 2 later completions and chats
-    from engine import LLM, SamplingParams
+    from inflight.engine import LLM, SamplingParams
 
     llm = LLM("demo-tiny", max_model_len=512, num_threads=1)
     expected = [o.outputs[0].text for o in llm.generate([system + q for q in ("first?", "second?", "third?")],

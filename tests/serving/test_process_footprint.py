@@ -30,7 +30,7 @@ def test_only_the_engines_process_loads_torch(server):
     processes = {int(p): _cmdline(int(p)) for p in os.listdir("/proc") if p.isdigit()}
     replicas = [pid for pid, cmd in processes.items() if cmd.startswith(f"ray::ServeReplica:{APP_NAME}:LLMReplica")]
     routers = [pid for pid, cmd in processes.items() if cmd.startswith(f"ray::ServeReplica:{APP_NAME}:Router")]
-    engines = [pid for pid, cmd in processes.items() if "engine.engine_core_child" in cmd and _parent(pid) in replicas]
+    engines = [pid for pid, cmd in processes.items() if "inflight.engine.engine_core_child" in cmd and _parent(pid) in replicas]
     assert replicas and routers and engines, {pid: cmd for pid, cmd in processes.items() if cmd.startswith("ray::")}
     assert [pid for pid in replicas + routers if _maps_torch(pid)] == []
     assert all(_maps_torch(pid) for pid in engines)  # the check sees torch where it is

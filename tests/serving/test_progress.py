@@ -5,7 +5,7 @@ tests/serving/test_replicas.py.)"""
 
 from __future__ import annotations
 
-from serve_app.router import _Progress, _seeded
+from inflight.serve_app.router import _Progress, _seeded
 
 
 def chunk(*choices):

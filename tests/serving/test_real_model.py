@@ -13,7 +13,7 @@ import json
 import jsonschema
 import pytest
 
-from engine.models.packaged import SMOLLM2
+from inflight.engine.models.packaged import SMOLLM2
 from tests.serving.apps import DEMO_APP_ARGS, delete_app, deploy_app
 
 APP_NAME = "real"

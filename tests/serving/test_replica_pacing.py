@@ -17,8 +17,8 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
-from serve_app.replica import LLMReplica
+from inflight.engine import LLM, SamplingParams
+from inflight.serve_app.replica import LLMReplica
 from tests.engine.helpers import LockstepEngine
 
 pytestmark = pytest.mark.timeout(120, func_only=True)

@@ -28,9 +28,9 @@ from ray.serve._private.common import (
 )
 from ray.serve._private.request_router.common import PendingRequest
 
-from engine.block_hash import block_hashes
-from serve_app import request_router
-from serve_app.request_router import LLMRequestRouter
+from inflight.engine.block_hash import block_hashes
+from inflight.serve_app import request_router
+from inflight.serve_app.request_router import LLMRequestRouter
 from tests.engine.helpers import HandClock
 
 pytestmark = pytest.mark.timeout(30)

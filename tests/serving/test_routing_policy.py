@@ -6,11 +6,11 @@ from collections import Counter
 
 import pytest
 
-from engine.block_hash import block_hashes
-from serve_app import admission, routing
-from serve_app.admission import AdmissionController, DrainRate
-from serve_app.errors import OverloadedError
-from serve_app.routing import (
+from inflight.engine.block_hash import block_hashes
+from inflight.serve_app import admission, routing
+from inflight.serve_app.admission import AdmissionController, DrainRate
+from inflight.serve_app.errors import OverloadedError
+from inflight.serve_app.routing import (
     MAX_STATS_AGE_S,
     POLICIES,
     ReplicaLoad,

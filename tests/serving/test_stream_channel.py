@@ -15,8 +15,8 @@ import threading
 import httpx
 import pytest
 
-from serve_app import stream_channel
-from serve_app.stream_channel import StreamInbox, StreamOutbox, pack_frame
+from inflight.serve_app import stream_channel
+from inflight.serve_app.stream_channel import StreamInbox, StreamOutbox, pack_frame
 from tests.serving.helpers import completion_body, get_stats, parse_sse, post_stream, wait_for_stats
 
 pytestmark = pytest.mark.timeout(60, func_only=True)
@@ -203,7 +203,7 @@ class _Replicas:
 
 
 def test_the_router_cancels_a_call_only_while_its_request_can_still_run():
-    from serve_app.router import _ChannelStream
+    from inflight.serve_app.router import _ChannelStream
 
     async def main():
         inbox = await _started_inbox()
@@ -295,7 +295,7 @@ async def _linked(inbox: StreamInbox, replica: _FakeReplica):
 
 
 def test_a_request_sent_down_a_link_streams_back_and_an_abort_stops_it_there():
-    from serve_app.router import _LinkStream
+    from inflight.serve_app.router import _LinkStream
 
     def answer(request):
         for i in range(1000):
@@ -323,7 +323,7 @@ def test_a_reader_cancelled_while_it_waits_for_the_next_message_still_aborts_the
     """A client gone mid-stream cancels the router's reader wherever it is: often while it waits for the replica's
     next message (``__anext__``, which closes the stream's route when it fails). The request must still be aborted
     on the replica, not left generating to its last token with nobody reading."""
-    from serve_app.router import _LinkStream
+    from inflight.serve_app.router import _LinkStream
 
     class _Busy(_FakeReplica):  # one message, then a long computation before the next
         async def run(self, connection, key, request) -> None:
@@ -357,7 +357,7 @@ def test_a_reader_cancelled_while_it_waits_for_the_next_message_still_aborts_the
 
 
 def test_a_link_lost_ends_its_streams_with_stream_lost_and_is_no_longer_routable():
-    from serve_app.router import _LinkStream
+    from inflight.serve_app.router import _LinkStream
 
     async def main():
         inbox = await _started_inbox()
@@ -378,7 +378,7 @@ def test_a_link_lost_ends_its_streams_with_stream_lost_and_is_no_longer_routable
 
 
 def test_a_silent_link_is_lost_and_a_draining_one_takes_no_new_request():
-    from serve_app.router import ReplicaDraining, _LinkStream
+    from inflight.serve_app.router import ReplicaDraining, _LinkStream
 
     async def main():
         inbox = await _started_inbox()
@@ -438,8 +438,8 @@ def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drai
     connection streams back whole; an abort frees its batch slot; when Serve stops the replica (``__del__``) the
     router hears it is draining, a request sent anyway is refused as such (the router sends it elsewhere), and the
     stop waits until the request already running has finished."""
-    from serve_app.replica import LLMReplica
-    from serve_app.router import ReplicaDraining, _LinkStream
+    from inflight.serve_app.replica import LLMReplica
+    from inflight.serve_app.router import ReplicaDraining, _LinkStream
 
     def request(request_id: str, max_tokens: int) -> dict:
         return {"kind": "completion", "request_id": request_id, "prompt": "Hello", "priority": 0,
@@ -529,7 +529,7 @@ def test_a_message_that_cannot_be_packed_closes_the_connection_and_numpy_numbers
     and the connection is closed at once, so the router treats its requests as lost (and continues them) rather
     than waiting for messages that will never come."""
     import numpy as np
-    from serve_app.router import _LinkStream
+    from inflight.serve_app.router import _LinkStream
 
     answers = iter([[_chunk("n") | {"score": np.float32(0.5)}], [object()]])
 
@@ -553,7 +553,7 @@ def test_a_message_that_cannot_be_packed_closes_the_connection_and_numpy_numbers
 def test_a_serve_call_stream_counts_on_its_replicas_link_once_its_first_message_names_the_replica():
     """A request that went as a Serve call (no connection covered every replica yet) is counted on its replica's
     link from its first message on, so routing down connections sees everything that replica holds."""
-    from serve_app.router import _ChannelStream
+    from inflight.serve_app.router import _ChannelStream
 
     async def main():
         inbox = await _started_inbox()

@@ -10,7 +10,7 @@ import openai
 import pytest
 from jsonschema import Draft202012Validator
 
-from serve_app.tools import Tool, read_calls
+from inflight.serve_app.tools import Tool, read_calls
 from tests.serving.helpers import MODEL, assert_error_body, assert_schema
 
 pytestmark = pytest.mark.timeout(120, func_only=True)
