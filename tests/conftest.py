@@ -36,3 +36,17 @@ def checkpoint(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+# Test tiers: `make test` runs everything; `make test-fast` (-m "not server and not slow") the unit tiers. A test
+# under these folders starts a Ray cluster or an HTTP server (tests/serving/fixtures.py): marked `server` here,
+# by place, so that a new test there needs no marker of its own. Slow ones elsewhere say `slow` themselves.
+SERVER_FOLDERS = ("serving", "multinode", "security")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = os.path.dirname(__file__)
+    for item in items:
+        parts = os.path.relpath(str(item.path), tests_dir).split(os.sep)
+        if parts[0] in SERVER_FOLDERS:
+            item.add_marker(pytest.mark.server)

@@ -33,6 +33,7 @@ def test_we_install_one_top_level_package_and_no_other_distribution_shares_it():
     assert ours == {"inflight"}, f"the installed inflight provides other top-level names too: {sorted(ours)}"
 
 
+@pytest.mark.slow
 def test_the_public_api_imports_from_anywhere_and_the_folders_names_do_not():
     """From a directory outside the checkout (the installed package) and from its root (the folders beside
     ``inflight/``); the folders' own names refuse, so no module is ever loaded twice."""
@@ -51,6 +52,7 @@ def test_the_public_api_imports_from_anywhere_and_the_folders_names_do_not():
             assert lines[2:] == ["True", "refused: No module named 'kernels.cpu_kernels'"], lines
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_inflight_alone_with_the_kernels_source(tmp_path):
     """``pip install .`` installs what the wheel holds: ``inflight/`` (the three folders inside it, and the CPU
     kernels' C++ source, built on first use), no benchmarks, no tests, no other top-level name."""

@@ -14,6 +14,8 @@ from inflight.engine import AsyncLLMEngine, DeadlineUnmeetableError, PoolingPara
 from tests.engine.helpers import (ENGINE_DEFAULTS, LockstepEngine, assert_engine_dead, greedy, make_engine,
                                   random_prompts, run_engine)
 
+pytestmark = pytest.mark.slow  # each test starts an engine process (~2 s)
+
 TIMEOUT_S = 60
 
 

@@ -231,12 +231,14 @@ def test_the_real_model_in_bfloat16_follows_transformers_bfloat16_but_at_near_ti
     assert identical >= 1, "no prompt identical"
 
 
+@pytest.mark.slow
 def test_the_real_model_knows_the_capital_of_france(smollm2):
     out = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_auto_dtype_knows_the_capital_of_france_computed_whole_and_from_the_prefix_cache():
     """What `make run` answers first, in the dtype it runs in: ``auto`` (bfloat16 where this CPU has bf16 units
     and the kernels use them, else float32). A bf16 residual stream moved this near-tie (float32 puts "The"
@@ -251,6 +253,7 @@ def test_auto_dtype_knows_the_capital_of_france_computed_whole_and_from_the_pref
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_the_real_tokenizer_splits_digits_as_llama_cpp_does_and_else_matches_transformers(smollm2):
     import transformers
 

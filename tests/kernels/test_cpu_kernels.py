@@ -440,6 +440,7 @@ def test_a_failed_build_logs_and_returns_none(fresh_load, tmp_path, caplog, comp
     assert not list((tmp_path / "kernels").glob("**/*.so"))  # nothing half-built left to load next time
 
 
+@pytest.mark.slow
 def test_kernels_are_built_once_then_loaded_from_the_cache(fresh_load, tmp_path):
     """No compilation in steady state: the first load builds into the cache, every later process loads it."""
     fresh_load.setenv("INFLIGHT_KERNEL_CACHE", str(tmp_path / "kernels"))

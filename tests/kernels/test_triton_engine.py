@@ -16,6 +16,7 @@ from tests.engine.helpers import generate_ids, greedy, make_engine, random_promp
 ARGS = dict(block_size=16, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=48, dtype="float32")
 
 
+@pytest.mark.slow
 def test_triton_backend_greedy_tokens_equal_torch_backend():
     prompts = random_prompts(6, 3, 70, seed=4)
     params = [greedy(max_tokens=n) for n in (12, 3, 20, 7, 1, 15)]
