@@ -1,4 +1,4 @@
-"""A short offline demo: ``python -m engine.demo`` (``make demo``), no server.
+"""A short offline demo: ``python -m inflight.engine.demo`` (``make demo``), no server.
 
 Asks the default model (SmolLM2-135M-Instruct) a batch of questions through its chat template, with the
 continuous batching engine, and prints some answers and what happened in the batch. ``--model demo-tiny``
