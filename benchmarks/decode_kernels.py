@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import subprocess
 import tempfile
@@ -34,19 +35,15 @@ from inflight.kernels import cpu_kernels
 LAYERS = 30
 LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 HEADS, KV_HEADS, HEAD_DIM, POOL_BLOCKS, BLOCK_SIZE = 9, 3, 64, 500, 16
-I64, PTR, F32, I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
 
 def build(source_text: str, directory: Path, name: str) -> ctypes.CDLL:
+    """``source_text`` (the kernels' C++ source) built and loaded as the engine builds and loads its own."""
     source = directory / f"{name}.cpp"
     source.write_text(source_text)
     library = directory / f"{name}.so"
-    subprocess.run(["g++", *cpu_kernels.FLAGS, str(source), "-o", str(library)], check=True, capture_output=True, text=True)
-    lib = ctypes.CDLL(str(library))
-    lib.linear_pairs_bf16.argtypes, lib.linear_pairs_bf16.restype = [PTR] * 4 + [I64] * 4 + [I32], None
-    lib.paged_decode_attention_bf16.argtypes = [PTR, PTR, PTR, PTR, I64, PTR, PTR, *[I64] * 6, F32, I32]
-    lib.paged_decode_attention_bf16.restype = None
-    return lib
+    cpu_kernels.build(os.environ.get("CXX") or "g++", cpu_kernels.FLAGS, library, source)
+    return cpu_kernels.declare(ctypes.CDLL(str(library)))
 
 
 def linears_call(lib, rows: int, layers, threads: int):

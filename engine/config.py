@@ -39,9 +39,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     batching: BatchingMode = "continuous"
     # Who goes first. fcfs: arrival order. priority: lower ``priority`` value first (vLLM's convention:
-    # 0 beats 10), then arrival. Either way a request that has waited max_queue_wait_s since it arrived
-    # goes ahead of everything younger, preempting a running request that arrived after it if it must (None: no
-    # aging).
+    # 0 beats 10), then arrival. Either way a request that has waited max_queue_wait_s since it arrived goes
+    # ahead of everything younger, preempting a running request that arrived after it if it must (None: no aging).
     # fair: tenants (SamplingParams.tenant) take turns by the service each has had (virtual token counters):
     # a tenant's flood does not push another tenant's requests to the back; arrival order within a tenant.
     scheduling_policy: str = "fcfs"

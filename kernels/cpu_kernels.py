@@ -74,12 +74,14 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "inflight" / "kernels"
 
 
-def _build(compiler: str, flags: list[str], library: Path) -> None:
+def build(compiler: str, flags: list[str], library: Path, source: Path = SOURCE) -> None:
+    """Compile ``source`` (the kernels' C++ file, or another revision of it: ``benchmarks.decode_kernels``) into
+    the shared library ``library``."""
     library.parent.mkdir(parents=True, exist_ok=True)
     # Written beside its final name, then renamed: concurrent builders never load a half-written file.
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         out = Path(tmp) / library.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, str(source), "-o", str(out)], check=True, capture_output=True, text=True)
         os.replace(out, library)
 
 
@@ -97,12 +99,18 @@ def load() -> ctypes.CDLL | None:
     library = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     try:
         if not library.exists():
-            _build(compiler, flags, library)
-        lib = ctypes.CDLL(str(library))
+            build(compiler, flags, library)
+        lib = declare(ctypes.CDLL(str(library)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("building the CPU kernels failed, attention stays on the PyTorch path: %s", detail[-2000:])
         return None
+    return lib
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of the kernels) with every export's argument and result types declared; returns it. An
+    export the build lacks is skipped: another revision's build (``benchmarks.decode_kernels``) may predate it."""
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
         "causal_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, i32],
@@ -113,18 +121,19 @@ def load() -> ctypes.CDLL | None:
         "store_kv": [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32],
         "linear": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32],
     }
-    for name, argtypes in signatures.items():
-        for suffix in SUFFIXES.values():
-            fn = getattr(lib, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, None
-    lib.linear_max_rows.argtypes, lib.linear_max_rows.restype = [], i32
-    lib.bf16_dot_products.argtypes, lib.bf16_dot_products.restype = [], i32
+    exports = {f"{name}_{suffix}": (argtypes, None) for name, argtypes in signatures.items()
+               for suffix in SUFFIXES.values()}
+    exports.update({
+        "linear_max_rows": ([], i32), "bf16_dot_products": ([], i32),
+        "linear_pairs_bf16": (signatures["linear"], None), "linear_pairs_bf16_f32": (signatures["linear"], None),
+        "rms_norm_bf16_f32res": (signatures["rms_norm"], None),
+        "decode_layers_bf16": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 8, f32, f32, i32], None),
+    })
+    for name, (argtypes, restype) in exports.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
     lib.has_bf16_dot = bool(lib.bf16_dot_products())  # read once: linear_pairs checks it at every call
-    lib.linear_pairs_bf16.argtypes, lib.linear_pairs_bf16.restype = signatures["linear"], None
-    lib.linear_pairs_bf16_f32.argtypes, lib.linear_pairs_bf16_f32.restype = signatures["linear"], None
-    lib.rms_norm_bf16_f32res.argtypes, lib.rms_norm_bf16_f32res.restype = signatures["rms_norm"], None
-    lib.decode_layers_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 8, f32, f32, i32]
-    lib.decode_layers_bf16.restype = None
     return lib
 
 

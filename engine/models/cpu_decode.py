@@ -51,8 +51,8 @@ class FusedDecode:
     def for_model(cls, model: nn.Module, backend) -> FusedDecode | None:
         """One for ``model`` if its layers are exactly the kernels ``decode_layers`` runs, else None."""
         cfg = model.config
-        if not (isinstance(backend, CpuPagedAttention) and cpu_kernels.load() is not None
-                and cpu_kernels.bf16_dot_products() and cpu_kernels.decode_attention_supports(cfg.head_dim)):
+        if not (isinstance(backend, CpuPagedAttention) and cpu_kernels.bf16_dot_products()  # (False when not built)
+                and cpu_kernels.decode_attention_supports(cfg.head_dim)):
             return None
         if model.lm_head.weight.dtype is not torch.bfloat16 or model.residual_dtype is not torch.float32:
             return None

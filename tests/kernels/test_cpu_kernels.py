@@ -445,8 +445,8 @@ def test_kernels_are_built_once_then_loaded_from_the_cache(fresh_load, tmp_path)
     """No compilation in steady state: the first load builds into the cache, every later process loads it."""
     fresh_load.setenv("INFLIGHT_KERNEL_CACHE", str(tmp_path / "kernels"))
     builds = []
-    real_build = cpu_kernels._build
-    fresh_load.setattr(cpu_kernels, "_build", lambda *a: (builds.append(a), real_build(*a)))
+    real_build = cpu_kernels.build
+    fresh_load.setattr(cpu_kernels, "build", lambda *a: (builds.append(a), real_build(*a)))
     assert cpu_kernels.load() is not None
     assert len(builds) == 1 and len(list((tmp_path / "kernels").glob("*.so"))) == 1
     cpu_kernels.load.cache_clear()  # as a new process would
