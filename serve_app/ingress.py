@@ -8,6 +8,7 @@ deploy several applications in one cluster ask here.
 
 from __future__ import annotations
 
+import socket
 import time
 
 
@@ -34,6 +35,17 @@ def wait_for_router_url(app_name: str, host: str, timeout_s: float = 60.0) -> st
         if time.monotonic() > deadline:
             raise TimeoutError(f"no router of application {app_name!r} served HTTP within {timeout_s:.0f} s")
         time.sleep(0.2)
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on ``host:port`` (taken, Serve would give a router the next free port instead)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def reclaim_own_port_at_restart() -> bool:

@@ -6,7 +6,6 @@ Nothing here fakes the server: these only read what the real server sends.
 from __future__ import annotations
 
 import asyncio
-import socket
 import copy
 import functools
 import json
@@ -21,6 +20,8 @@ import httpx
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
+
+from inflight.serve_app.ingress import port_free  # noqa: F401  (the fixtures' check, shared with inflight serve)
 
 HOST = "127.0.0.1"
 HTTP_PORT = 8000
@@ -257,12 +258,3 @@ async def gather_bounded(coros, timeout: float):
     return await asyncio.wait_for(asyncio.gather(*coros), timeout=timeout)
 
 
-def port_free(port: int, host: str = HOST) -> bool:
-    """Whether nothing listens on ``host:port`` (a leftover `serve run` would make the tests talk to it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
