@@ -22,7 +22,6 @@ import copy
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,14 @@ import yaml
 from pydantic import ValidationError
 
 from inflight.engine.config import EngineConfig
-from inflight.serve_app import cli_args, cpu_plan, ray_env
+from inflight.serve_app import cli_args, cpu_plan, ingress, ray_env
 from inflight.serve_app.config import AppConfig
 
 BUILDER = "inflight.serve_app.app:build_app"
 APP_NAME = "inflight"
 DEFAULT_HOST = "127.0.0.1"
 PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
+MAX_PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
 ENGINE_FIELDS = [field for field in cli_args.dataclass_fields(EngineConfig) if field.name != "model"]
 APP_FIELDS = [field for field in cli_args.pydantic_fields(AppConfig) if field.name not in ("model", "engine_args")]
 
@@ -116,18 +116,6 @@ def explain(error: ValidationError, where: str) -> str:
     return f"{where} --{name.replace('_', '-')}: {message}".replace("\n", " ")
 
 
-def port_free(port: int, host: str) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def connect_ray(address: str | None, serve_config: dict[str, Any]) -> bool:
     """Connect to a cluster, or start a local one; True when this process started it."""
     import ray
@@ -145,7 +133,7 @@ def connect_ray(address: str | None, serve_config: dict[str, Any]) -> bool:
         return False
     host = serve_config["http_options"].get("host", DEFAULT_HOST)
     for port in (int(os.environ[PORT_ENV]), serve_config["http_options"].get("port", 8000)):
-        if not port_free(port, host):  # Serve would move the router to the next free port, or fail the proxy
+        if not ingress.port_free(port, host):  # Serve would move the router to the next free port, or fail the proxy
             raise ServeError(f"port {port} on {host} is taken (another server?): choose another with --port or "
                              "--proxy-port")
     cpus = cpu_plan.serving_cpus(serve_config)
@@ -185,7 +173,7 @@ def wait_running(names: list[str], stop: threading.Event) -> None:
             if status is not None and status.status == "RUNNING":
                 break
             if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
-                raise ServeError(f"application {name!r}: {status.status}: {status.message}".replace("\n", " "))
+                raise ServeError(f"application {name!r} failed to deploy: {status.message}".replace("\n", " "))
             stop.wait(0.5)
 
 
@@ -193,8 +181,9 @@ def main(argv: list[str] | None = None, prog: str = "inflight serve") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     # Before anything imports ray.serve or starts Ray (ray_env.apply): Serve's settings, the API port, no token auth
-    if args.port is not None:
+    if args.port is not None:  # Serve allocates the routers' ports from it up to the range's end (Ray's: 31000)
         os.environ[PORT_ENV] = str(args.port)
+        os.environ.setdefault(MAX_PORT_ENV, str(min(args.port + 1000, 65535)))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray >= 2.59 turns token auth on for local clusters
     ray_env.apply(local=True)
     try:
@@ -204,8 +193,6 @@ def main(argv: list[str] | None = None, prog: str = "inflight serve") -> int:
 
     import ray
     from ray import serve
-
-    from inflight.serve_app.ingress import wait_for_router_url
 
     stop = threading.Event()
     started, names = False, []
@@ -219,7 +206,7 @@ def main(argv: list[str] | None = None, prog: str = "inflight serve") -> int:
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         ours = [app["name"] for app in serve_config["applications"] if app.get("import_path") == BUILDER]
         for name in names if not stop.is_set() else []:
-            api = f"; API: {wait_for_router_url(name, shown_host)}/v1" if name in ours else ""
+            api = f"; API: {ingress.wait_for_router_url(name, shown_host)}/v1" if name in ours else ""
             print(f"application {name!r} running{api}", flush=True)
         print(f"Serve's proxy: http://{shown_host}:{serve_config['http_options'].get('port', 8000)}; Ctrl-C stops",
               flush=True)
