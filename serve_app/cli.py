@@ -80,13 +80,11 @@ def serve_config_from(args: argparse.Namespace) -> dict[str, Any]:
         config = {"proxy_location": "HeadOnly", "http_options": {"host": DEFAULT_HOST, "port": ray_env.LOCAL_PROXY_PORT},
                   "logging_config": {"enable_access_log": overrides.get("access_log", False)},
                   "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": BUILDER, "args": {}}]}
-        where = "argument"
     else:
         try:
             config = yaml.safe_load(args.config.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
             raise ServeError(f"--config {args.config}: {e}".replace("\n", " ")) from None
-        where = f"{args.config}"
     http_options = config.setdefault("http_options", {})
     for name, key in (("host", "host"), ("proxy_port", "port")):
         if hasattr(args, name):
@@ -101,8 +99,8 @@ def serve_config_from(args: argparse.Namespace) -> dict[str, Any]:
         try:
             AppConfig.model_validate(app_args)
         except ValidationError as e:
-            raise ServeError(explain(e, where if args.config is None else f"{where} (application "
-                                                                           f"{app.get('name')!r}) argument")) from None
+            where = "argument" if args.config is None else f"{args.config} (application {app.get('name')!r}) argument"
+            raise ServeError(explain(e, where)) from None
     return config
 
 
@@ -113,7 +111,10 @@ def explain(error: ValidationError, where: str) -> str:
     name = str(first["loc"][0]) if first["loc"] else ""
     if name == "engine_args":  # the engine's ValueError names its field first (speculative_config.method ...)
         name = message.split(" ", 1)[0].split(".", 1)[0]
-    return f"{where} --{name.replace('_', '-')}: {message}".replace("\n", " ")
+    flag = f" --{name.replace('_', '-')}" if name else ""  # none: a check of several fields together
+    if len(first["loc"]) > 1 and first["loc"][0] != "engine_args":  # inside a JSON value: where in it
+        flag += f" ({'.'.join(map(str, first['loc'][1:]))})"
+    return f"{where}{flag}: {message}".replace("\n", " ")
 
 
 def connect_ray(address: str | None, serve_config: dict[str, Any]) -> bool:
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None, prog: str = "inflight serve") -> int:
     started, names = False, []
     try:
         started = connect_ray(args.address, serve_config)
+        if not started and args.port is not None:
+            print("note: serving into a running cluster, whose Serve put the router's port where its own settings "
+                  "say, not at --port: the API is where printed below", flush=True)
         for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets a SIGTERM handler of its own
             signal.signal(signum, lambda *_: stop.set())
         names = deploy(serve_config)
