@@ -20,9 +20,10 @@ local configs put Serve's proxy on :8100 (``http_options.port``): it serves the 
 Serve's own routes (``/-/healthz``, ``/-/routes``). A cluster (KubeRay) keeps the proxy as its entry point on
 :8000, one per node behind the Service; its routers' own ports (30000 up) stay inside the pods.
 
-Who applies it: ``scripts/serve.sh`` (``make run``: both), the test fixtures that start Ray and ``k8s/Dockerfile``
-(``SERVE_ENV``; tests check the copies), the serving benchmarks (as ``make run``). (``RAY_AUTH_MODE=disabled``,
-for local clusters only, is set by those local starters themselves, never in the image.)
+Who applies it: ``scripts/serve.sh`` (``make run``: both), ``inflight serve`` (``serve_app/cli.py``: both), the
+test fixtures that start Ray and ``k8s/Dockerfile`` (``SERVE_ENV``; tests check the copies), the serving benchmarks
+(as ``make run``). (``RAY_AUTH_MODE=disabled``, for local clusters only, is set by those local starters
+themselves, never in the image.)
 """
 
 from __future__ import annotations
