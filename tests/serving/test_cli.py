@@ -37,7 +37,7 @@ def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path, int]:
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "inflight", "serve", *args, "--port", str(port),
                                     "--proxy-port", str(proxy_port), "--address", "local"],
-                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return process, log, port
 
 
@@ -52,11 +52,16 @@ def wait_for_api(process: subprocess.Popen, log: Path, url: str) -> None:
 
 
 def stop(process: subprocess.Popen, log: Path, signum: int) -> None:
-    process.send_signal(signum)
+    """SIGINT as a terminal's Ctrl-C sends it, to the whole process group (Ray's processes too); SIGTERM as a
+    supervisor does, to the command alone."""
+    if signum == signal.SIGINT:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
     try:
         returncode = process.wait(timeout=EXIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)  # the command and the Ray it started (its process group)
         process.wait()
         pytest.fail(f"inflight serve still running {EXIT_TIMEOUT_S} s after {signum!r}:\n{log.read_text()[-3000:]}")
     assert returncode == 0, log.read_text()[-3000:]
