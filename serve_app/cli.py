@@ -21,6 +21,7 @@ import argparse
 import copy
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -212,14 +213,14 @@ def main(argv: list[str] | None = None, prog: str = "inflight serve") -> int:
         for name in names if not stop.is_set() else []:
             api = f"; API: {ingress.wait_for_router_url(name, shown_host)}/v1" if name in ours else ""
             print(f"application {name!r} running{api}", flush=True)
-        print(f"Serve's proxy: http://{shown_host}:{serve_config['http_options'].get('port', 8000)}; Ctrl-C stops",
-              flush=True)
+        proxy = serve_config["http_options"].get("port", 8000)  # a running cluster's Serve keeps its own
+        print(f"Serve's proxy: http://{shown_host}:{proxy}; " if started else "", "Ctrl-C stops", sep="", flush=True)
         while not stop.wait(1.0):
             pass
         print("stopping ...", flush=True)
         return 0
     except ServeError as e:
-        print(f"{prog}: error: {e}", flush=True)
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         if ray.is_initialized():
