@@ -55,7 +55,7 @@ def build_parser(prog: str = "inflight serve") -> argparse.ArgumentParser:
                         help="a packaged model's name, a .gguf file, a checkpoint directory, or demo-tiny "
                              f"(default: {AppConfig.model_fields['model'].default})")
     command = parser.add_argument_group("serving")
-    command.add_argument("--config", type=Path, help="a Serve config file (configs/*.yaml) to run, as `serve run "
+    command.add_argument("--config", type=Path, metavar="FILE", help="a Serve config file (configs/*.yaml) to run, as `serve run "
                                                      "FILE` does; the flags given override its inflight apps' args")
     command.add_argument("--port", type=int, help="the API's port: the router's own, Serve's direct ingress "
                                                   f"(default: ${PORT_ENV}, else {ray_env.API_PORT})")
