@@ -1,11 +1,11 @@
-"""benchmarks.decode_steps: ours for real on the benchmark checkpoint (few tokens), a row per count, and the flags."""
+"""benchmarks.micro.decode_steps: ours for real on the benchmark checkpoint (few tokens), a row per count, and the flags."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import decode_steps
-from benchmarks.decode_steps import build_engine
+from benchmarks.micro import decode_steps
+from benchmarks.micro.decode_steps import build_engine
 from inflight.engine.models import cpu_packing
 
 

@@ -1,4 +1,4 @@
-"""benchmarks.scheduler: exclusive part times, and a tiny run end to end."""
+"""benchmarks.micro.scheduler: exclusive part times, and a tiny run end to end."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from benchmarks import scheduler
-from benchmarks.scheduler import PartTimer
+from benchmarks.micro import scheduler
+from benchmarks.micro.scheduler import PartTimer
 
 
 def test_part_timer_takes_inner_parts_out_of_outer_ones():
