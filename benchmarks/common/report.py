@@ -73,9 +73,7 @@ def _jsonable(value: Any) -> Any:
         return asdict(value)
     if isinstance(value, (np.integer, np.floating)):
         return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+    return str(value)  # paths, dtypes, devices: their names
 
 
 def pyplot():
@@ -88,10 +86,10 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
     pyplot().close(fig)
     print(f"wrote {path}", file=sys.stderr, flush=True)
     return path

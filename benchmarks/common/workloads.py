@@ -1,4 +1,4 @@
-"""What the benchmarks run: the benchmark checkpoint, the named workloads, and our engine set up for them.
+"""What the benchmarks run: the benchmark checkpoint and the named workloads (our engine: ``benchmarks.common.engine``).
 
 * ``build_checkpoint`` writes a random-weight ``LlamaForCausalLM`` (hidden 256, 4 layers, 8 heads,
   4 KV heads, intermediate 688, vocab 4096, 2048 positions, fp32) with transformers, plus a
@@ -9,9 +9,9 @@
   through the model's chat template that stop at its end of turn); ``build_workload`` draws one, reproducibly
   from a seed, for a model (``benchmarks.common.models``: which token ids a prompt may hold, the chat template);
   ``trace_workload`` turns a JSONL trace (``benchmarks.common.arrivals``) into requests and arrival times.
-* ``engine_args`` is the KV budget every system gets: 8 x 1,000 = 8,000 tokens.
-* ``add_workload_args`` and ``add_engine_args`` are the flags the benchmarks share; ``workload_from_args``
-  reads them back.
+* ``NUM_KV_BLOCKS`` x ``BLOCK_SIZE`` is the KV budget every system gets: 8 x 1,000 = 8,000 tokens.
+* ``add_workload_args`` and ``add_sampling_args`` are the workload flags the benchmarks share;
+  ``workload_from_args`` reads them back.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 
 from benchmarks.common.arrivals import TraceEntry, load_trace
+from benchmarks.common.flags import positive_int
 
 # -- the model ------------------------------------------------------------------------------------
 MODEL_NAME = "bench-llama-h256-l4-v4096"
@@ -276,6 +277,13 @@ def warmup_workload(token_range: Sequence[int] = TOY_TOKEN_RANGE) -> list[BenchR
     return [BenchRequest(_token_ids(token_range, 0, 24), 4), BenchRequest(_token_ids(token_range, 100, 140), 6)]
 
 
+def engine_warmup_workload(token_range: Sequence[int] = TOY_TOKEN_RANGE) -> list[BenchRequest]:
+    """``warmup_workload`` and a request of each kind that generates nothing (a score, an embedding): our engine's
+    warm-up."""
+    return warmup_workload(token_range) + [BenchRequest(_token_ids(token_range, 200, 230), 0, "score"),
+                                           BenchRequest(_token_ids(token_range, 300, 320), 0, "embed")]
+
+
 def _token_ids(token_range: Sequence[int], start: int, stop: int) -> list[int]:
     """The ``start``-th to ``stop``-th ids of ``token_range``, wrapping around in a small vocabulary."""
     low, high = token_range
@@ -292,40 +300,6 @@ def describe_workload(requests: Sequence[BenchRequest]) -> dict[str, Any]:
             "mean_output_len": float(np.mean(outputs)) if outputs else 0.0,
             "num_prefill_only": sum(r.kind != "generate" for r in requests),
             "num_stop_at_eos": sum(not r.ignore_eos for r in requests)}
-
-
-# -- our engine -----------------------------------------------------------------------------------
-def engine_args(batching: str, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                threads: int | None = None, num_kv_blocks: int = NUM_KV_BLOCKS,
-                prefill_lane: bool = True, dtype: str = "float32") -> dict[str, Any]:
-    """Engine arguments for the benchmark: CPU, ``dtype``, by default the 8,000-token KV budget."""
-    return dict(device="cpu", dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, batching=batching,
-                num_threads=threads, prefill_lane=prefill_lane)
-
-
-def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None = None, prefill_lane: bool = True,
-                speculative_config: dict[str, Any] | None = None):
-    """Our engine in one batching mode, warmed up. Unless ``max_num_seqs`` is given, static batching has
-    ``--static-batch-size`` slots (8 x 1,000 tokens of KV: the same batch of 8 as transformers' static run)
-    and continuous ``--max-num-seqs``; both get the same KV budget. ``prefill_lane``: requests that generate
-    nothing take the prefill lane (True) or the scheduler and the paged cache ("mixed")."""
-    from inflight.engine import LLMEngine
-
-    if max_num_seqs is None:
-        max_num_seqs = args.static_batch_size if batching == "static" else args.max_num_seqs
-    budget = max(args.max_num_batched_tokens, max_num_seqs)  # the engine needs a token per slot at least
-    engine = LLMEngine(model_path, **engine_args(batching, max_num_seqs, budget, args.threads, kv_blocks(args),
-                                                 prefill_lane, getattr(args, "dtype", "float32")),
-                       speculative_config=speculative_config)
-    warm_up_engine(engine, _token_range_of(model_path))
-    return engine
-
-
-def _token_range_of(model_path: str) -> tuple[int, int]:
-    from benchmarks.common.models import ordinary_token_range, read_source
-
-    return ordinary_token_range(read_source(str(model_path)))
 
 
 def kv_blocks(args) -> int:
@@ -355,30 +329,7 @@ def request_params(request: BenchRequest):
     return sampling_params(request.max_tokens, request.temperature, request.top_p, request.ignore_eos)
 
 
-def drain(engine) -> list:
-    """Step ``engine`` until it is idle; return the finished outputs."""
-    finished = []
-    while engine.has_unfinished_requests():
-        finished.extend(o for o in engine.step() if o.finished)
-    return finished
-
-
-def warm_up_engine(engine, token_range: Sequence[int] = TOY_TOKEN_RANGE) -> None:
-    prefill_only = [BenchRequest(_token_ids(token_range, 200, 230), 0, "score"),
-                    BenchRequest(_token_ids(token_range, 300, 320), 0, "embed")]
-    for i, request in enumerate(warmup_workload(token_range) + prefill_only):
-        engine.add_request(f"warmup-{i}", request.prompt_token_ids, request_params(request))
-    drain(engine)
-
-
 # -- flags ----------------------------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
 def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 64, default: str = "seed") -> None:
     """Which requests: a named workload (with optional length ranges) or a trace file."""
     names = ", ".join(f"{name} ({spec.description})" for name, spec in WORKLOADS.items())
@@ -410,26 +361,6 @@ def check_sampling_args(parser: argparse.ArgumentParser, args) -> bool:
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     return args.temperature > 0 or args.top_p < 1
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Our engine's size, the same for every system compared."""
-    parser.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="the dtype every system runs in; auto: what our engine picks for the model on this CPU "
-                             "(bfloat16 for a half-precision or quantized checkpoint where the CPU has bfloat16 "
-                             "instructions and our kernels use them, else float32), resolved once and given to the "
-                             "peers too")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
-                        help="batch slots of continuous batching (ours; hf-cb's max_requests_per_batch)")
-    parser.add_argument("--static-batch-size", type=positive_int, default=8,
-                        help="batch slots of static batching (ours and transformers'): 8 slots x 1,000 tokens of KV")
-    parser.add_argument("--kv-budget-tokens", type=positive_int, default=KV_BUDGET_TOKENS,
-                        help=f"KV cache size in tokens for every engine, a multiple of {BLOCK_SIZE}")
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                        help="tokens per step (ours and hf-cb)")
-    parser.add_argument("--cache-dir", help="where the benchmark checkpoint is built; None: "
-                                            "$INFLIGHT_BENCH_CACHE or ~/.cache/inflight/benchmarks")
 
 
 def workload_from_args(parser: argparse.ArgumentParser, args, model=None

@@ -38,21 +38,21 @@ def step_times(engine, rows: int, prompt_len: int, tokens: int) -> list[float]:
     return times[PROMPT_STEPS:]
 
 
-def build_engine(max_rows: int, prompt_len: int, tokens: int, threads: int):
+def decode_engine(max_rows: int, prompt_len: int, tokens: int, threads: int):
     """Our engine on the benchmark checkpoint with KV for ``max_rows`` requests at full length (the benchmark's 8,000
     tokens would hold ~11 of 700): no row waits or is preempted, so every step after the prompts decodes all."""
-    from benchmarks.common.workloads import BLOCK_SIZE, build_checkpoint, engine_args
-    from inflight.engine import LLMEngine
+    from benchmarks.common.engine import build_engine, engine_args
+    from benchmarks.common.workloads import BLOCK_SIZE, build_checkpoint
 
     blocks = max_rows * -(-(prompt_len + tokens) // BLOCK_SIZE) + 1
-    return LLMEngine(str(build_checkpoint()),
-                     **engine_args("continuous", max(64, max_rows), 2048, threads, num_kv_blocks=blocks))
+    return build_engine(build_checkpoint(),
+                        **engine_args("continuous", max(64, max_rows), 2048, threads, num_kv_blocks=blocks))
 
 
 def measure(rows: list[int], prompt_len: int, tokens: int, repeats: int, threads: int) -> dict[int, float]:
     """Median decode step in ms for each row count."""
     torch.set_num_threads(threads)
-    engine = build_engine(max(rows), prompt_len, tokens, threads)
+    engine = decode_engine(max(rows), prompt_len, tokens, threads)
     step_times(engine, 1, prompt_len, 20)  # warm-up: oneDNN builds its kernels per row count on first use
     return {count: 1e3 * statistics.median(t for _ in range(repeats)
                                            for t in step_times(engine, count, prompt_len, tokens))

@@ -25,6 +25,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from benchmarks.common.engine import build_engine, drain
+from benchmarks.common.report import write_json
+
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
@@ -167,12 +170,12 @@ def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int
                   enforce_eager: bool = False, async_scheduling: bool | None = None) -> dict[str, Any]:
     """Tokens/s of pure decode steps with ``batch`` requests running, after all prompts are in, and the GPU's
     idle gap between two steps (``StepGaps``). ``async_scheduling`` None is the engine's default (on, on CUDA)."""
-    from inflight.engine import LLMEngine, SamplingParams
+    from inflight.engine import SamplingParams
 
-    engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=max(batch, 8),
-                       enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-                       max_num_batched_tokens=max(8192, batch), attention_backend=args.attention_backend,
-                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=prompt_len + 512)
+    engine = build_engine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=max(batch, 8),
+                          enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+                          max_num_batched_tokens=max(8192, batch), attention_backend=args.attention_backend,
+                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=prompt_len + 512)
     prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
     # Long enough that nobody finishes before the timed steps end (the first rows decode while others prefill).
     params = SamplingParams(max_tokens=timed_steps + prefill_steps + 16, temperature=0.0, ignore_eos=True)
@@ -223,11 +226,9 @@ def roofline(batch: int, context: float, num_layers: int, read_bw: float, itemsi
 
 # -- 4. transformers on the same workload ----------------------------------------------------------------
 def same_workload_ours(model_dir: Path, prompts, new_tokens: int, args) -> float:
-    from inflight.engine import LLMEngine
-
-    engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=len(prompts),
-                       max_num_batched_tokens=8192, attention_backend=args.attention_backend,
-                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
+    engine = build_engine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=len(prompts),
+                          max_num_batched_tokens=8192, attention_backend=args.attention_backend,
+                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
     outputs, seconds = timed_greedy_run(engine, prompts, new_tokens)
     produced = sum(map(len, outputs))
     assert produced == len(prompts) * new_tokens, produced
@@ -242,8 +243,7 @@ def timed_greedy_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple
     from inflight.engine import SamplingParams
 
     engine.add_request("warm", prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    drain(engine)
     torch.cuda.synchronize()
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -325,16 +325,15 @@ def hf_continuous_batching(model, prompts, new_tokens: int, deadline_s: float = 
 def seed_workload_run(model_dir: Path, batching: str, args, async_scheduling: bool | None = None) -> dict[str, Any]:
     """The seed workload (all at t=0): useful tok/s, mean latency, and each request's greedy tokens."""
     from benchmarks.common.workloads import seed_workload
-    from inflight.engine import LLMEngine, SamplingParams
+    from inflight.engine import SamplingParams
 
     requests = seed_workload(args.seed_requests, seed=0)
-    engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, batching=batching, block_size=16,
-                       async_scheduling=async_scheduling,
-                       num_kv_blocks=500, max_num_seqs=8 if batching == "static" else 64,
-                       max_num_batched_tokens=2048, attention_backend=args.attention_backend, max_model_len=1024)
+    engine = build_engine(str(model_dir), load_format="dummy", dtype=args.dtype, batching=batching, block_size=16,
+                          async_scheduling=async_scheduling,
+                          num_kv_blocks=500, max_num_seqs=8 if batching == "static" else 64,
+                          max_num_batched_tokens=2048, attention_backend=args.attention_backend, max_model_len=1024)
     engine.add_request("warm", requests[0].prompt_token_ids, SamplingParams(max_tokens=4, temperature=0.0))
-    while engine.has_unfinished_requests():
-        engine.step()
+    drain(engine)
     t0 = time.perf_counter()
     for i, r in enumerate(requests):
         engine.add_request(f"r{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
@@ -359,8 +358,6 @@ def speculative_runs(model_dir: Path, args, num_requests: int = 4, prompt_len: i
     """Speculative decoding at concurrency 1 (issue 18): the same greedy requests one at a time without
     speculation, with the oracle (the plain run's outputs: the mechanism's ceiling) and with n-gram lookup.
     Tokens per second and the acceptance of each; every run must emit the plain run's tokens."""
-    from inflight.engine import LLMEngine
-
     prompts = random_prompts(num_requests, prompt_len, seed=2)
     out: dict[str, Any] = {}
     plain: list[list[int]] | None = None
@@ -368,10 +365,10 @@ def speculative_runs(model_dir: Path, args, num_requests: int = 4, prompt_len: i
         spec = None if method == "none" else {"method": method}
         if method == "oracle":
             spec["oracle_outputs"] = {tuple(p): tuple(o) for p, o in zip(prompts, plain)}
-        engine = LLMEngine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=1,
-                           max_num_batched_tokens=2048, attention_backend=args.attention_backend,
-                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048,
-                           speculative_config=spec)
+        engine = build_engine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=1,
+                              max_num_batched_tokens=2048, attention_backend=args.attention_backend,
+                              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048,
+                              speculative_config=spec)
         outputs, seconds = timed_greedy_run(engine, prompts, new_tokens)
         stats = engine.stats()
         out[method] = {"tokens_per_s": num_requests * new_tokens / seconds,
@@ -507,7 +504,7 @@ def main(argv=None) -> int:
     results.pop("_deadline")
     print_summary(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        write_json(args.json, results)
     return 0
 
 

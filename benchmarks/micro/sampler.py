@@ -24,8 +24,8 @@ from typing import Sequence
 import torch
 
 from inflight.engine import sampler as engine_sampler
+from benchmarks.common.flags import positive_int
 from benchmarks.common.report import load_average, print_table, write_json
-from benchmarks.common.workloads import positive_int
 from inflight.engine.sampling_params import SamplingParams
 
 CASES = {

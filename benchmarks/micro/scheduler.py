@@ -52,9 +52,10 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from benchmarks.common.engine import build_engine, drain
+from benchmarks.common.flags import positive_int
 from benchmarks.common.models import add_model_arg, model_from_args
 from benchmarks.common.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
-from benchmarks.common.workloads import positive_int
 from inflight.engine.engine_core import settle_heap
 from inflight.engine.sampling_params import OUTPUT_KINDS
 
@@ -155,15 +156,13 @@ class StandInDevice:
         return sum(max(0.0, min(e, end) - max(s, start)) for s, e in self.intervals)
 
 
-def build_engine(args, async_scheduling: bool = False):
-    from inflight.engine import LLMEngine
-
+def stand_in_engine(args, async_scheduling: bool = False):
     blocks_per_request = -(-(args.prompt_len + args.max_tokens) // args.block_size)
-    engine = LLMEngine(args.bench_model.engine_model, device="cpu", num_threads=1, batching=args.batching,
-                       max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
-                       block_size=args.block_size, num_kv_blocks=args.num_requests * blocks_per_request,
-                       max_model_len=args.prompt_len + args.max_tokens, async_scheduling=async_scheduling,
-                       persistent_batch=args.persistent_batch == "on")
+    engine = build_engine(args.bench_model.engine_model, device="cpu", num_threads=1, batching=args.batching,
+                          max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
+                          block_size=args.block_size, num_kv_blocks=args.num_requests * blocks_per_request,
+                          max_model_len=args.prompt_len + args.max_tokens, async_scheduling=async_scheduling,
+                          persistent_batch=args.persistent_batch == "on")
     engine.stand_in = StandInDevice(engine.runner, args.device_ms, args.stand_in,  # a benchmark's own attribute
                                     args.stand_in_token_id)
     return engine
@@ -176,8 +175,7 @@ def start_requests(engine, args, block: int) -> None:
 
     for request_id in list(engine._children):
         engine.abort_request(request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
+    drain(engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                             output_kind=args.output_kind)
     low, high = args.bench_model.token_range
@@ -405,7 +403,7 @@ def collect_first(engine) -> None:
 def time_loop(args, name: str) -> dict[str, Any]:
     """Median microseconds per step of one loop over ``--repeats`` blocks: wall, the host thread's CPU, and the
     overhead (wall minus ``--device-ms``: what the host adds to the device's time)."""
-    engine = build_engine(args, name != "sync")
+    engine = stand_in_engine(args, name != "sync")
     if name == "async-collect-first":
         collect_first(engine)
     if args.settle_heap:

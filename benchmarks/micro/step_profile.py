@@ -21,16 +21,15 @@ alternately, ``--rounds`` times, and each kind's median over rounds is reported;
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.common.engine import build_engine, drain, engine_args
 from benchmarks.common.models import add_model_arg, model_from_args
-from benchmarks.common.workloads import engine_args
+from benchmarks.common.report import pyplot, save_figure, write_json
 
 KINDS = ["linears", "lm head", "attention", "elementwise", "layers, one call", "sampling", "python + scheduler"]
 
@@ -111,8 +110,7 @@ def profile_decode(engine, timers: KindTimers, rng, rows: int, context: int, tok
                                                 for r in engine.scheduler.running):
         engine.step()  # the prompts' prefill, untimed
     samples = [timed_step(engine, timers) for _ in range(steps)]
-    while engine.has_unfinished_requests():
-        engine.step()
+    drain(engine)
     return samples
 
 
@@ -153,12 +151,10 @@ def parse_args(argv=None):
 
 
 def run(args) -> dict[str, Any]:
-    from inflight.engine import LLMEngine
-
     model = args.bench_model
     engines = {}
     for dtype in args.dtypes:
-        engine = LLMEngine(model.engine_model, **engine_args("continuous", threads=args.threads, dtype=dtype))
+        engine = build_engine(model.engine_model, **engine_args("continuous", threads=args.threads, dtype=dtype))
         engines[dtype] = (engine, instrument(engine))
     rng = random.Random(args.seed)
     prefill: dict[str, list] = defaultdict(list)
@@ -197,11 +193,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
     for ax, step in zip(axes, ("prefill", "decode")):
         labels = list(result[step])
@@ -216,7 +208,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_xlabel("ms per step")
     axes[1].legend(loc="upper center", bbox_to_anchor=(-0.1, -0.28), ncol=len(KINDS), fontsize=8)
     fig.suptitle(f"Where a step's time goes: {result['model']}, {result['threads']} threads", y=1.05)
-    fig.savefig(path, bbox_inches="tight", dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> None:
@@ -224,7 +216,7 @@ def main(argv=None) -> None:
     result = run(args)
     print(report(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     if args.plot:
         plot(result, args.plot)
 

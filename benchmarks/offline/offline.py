@@ -40,19 +40,19 @@ from typing import Any, Sequence
 
 import torch
 
-from benchmarks.offline import prefill_only
 from benchmarks.common.arrivals import arrival_times
-from benchmarks.offline import speculative, structured
+from benchmarks.common.engine import add_engine_args, make_engine
 from benchmarks.common.engine_run import EngineRun, run_engine
-from benchmarks.peers.hf_baselines import BASELINES, BaselineRun, quiet_transformers, run_hf_cb, run_hf_static
+from benchmarks.common.flags import positive_int
 from benchmarks.common.metrics import TokenWaste, summarize, useful_computed_tokens
 from benchmarks.common.models import add_model_arg, model_from_args
 from benchmarks.common.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
-from benchmarks.peers.vllm_baseline import MAX_MODEL_LEN, add_vllm_args, describe_settings, run_vllm, settings_from_args
 from benchmarks.common.workloads import (
-    WORKLOADS, add_engine_args, add_workload_args, check_sampling_args, describe_workload, make_engine,
-    positive_int, workload_from_args,
+    WORKLOADS, add_workload_args, check_sampling_args, describe_workload, workload_from_args,
 )
+from benchmarks.offline import prefill_only, speculative, structured
+from benchmarks.peers.hf_baselines import BASELINES, BaselineRun, quiet_transformers, run_hf_cb, run_hf_static
+from benchmarks.peers.vllm_baseline import MAX_MODEL_LEN, add_vllm_args, describe_settings, run_vllm, settings_from_args
 
 MODES = ("continuous", "static")
 BASELINE_CHOICES = {"none": (), "hf": BASELINES, "hf-static": ("hf-static",), "hf-cb": ("hf-cb",), "vllm": ("vllm",)}

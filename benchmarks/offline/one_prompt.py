@@ -17,7 +17,6 @@ neighbouring runs compare.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -25,9 +24,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.common.report import print_table
+from benchmarks.common.engine import engine_args
+from benchmarks.common.flags import positive_int
+from benchmarks.common.report import print_table, write_json
+from benchmarks.common.workloads import MODEL_SHAPE, build_checkpoint
 from benchmarks.peers.vllm_baseline import VllmSettings, add_vllm_args, build_job, resolve_peer_python, run_worker
-from benchmarks.common.workloads import MODEL_SHAPE, build_checkpoint, engine_args, positive_int
+from inflight.engine.cpu_list import parse_cpu_list
 
 WORKER = Path(__file__).resolve().parents[1] / "peers" / "vllm_one_prompt.py"
 WARMUP_PROMPTS = 2
@@ -93,24 +95,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if max(args.lens) > max_len:
         parser.error(f"--lens: at most {max_len} tokens (the checkpoint's context), got {max(args.lens)}")
     try:
-        args.cpu_set = _cpu_list(args.cpus) if args.cpus else set(range(args.threads))
-    except ValueError as e:
-        parser.error(f"--cpus: {e}")
+        args.cpu_set = parse_cpu_list(args.cpus) if args.cpus else set(range(args.threads))
+    except ValueError:
+        parser.error(f"--cpus: {args.cpus!r} is not a CPU list like 0-1 or 0,2")
     if len(args.cpu_set) < args.threads:
         parser.error(f"--cpus: {len(args.cpu_set)} CPUs for {args.threads} threads")
     if not args.cpu_set <= os.sched_getaffinity(0):
         parser.error(f"--cpus: this process may run on CPUs {sorted(os.sched_getaffinity(0))} only")
     return args
-
-
-def _cpu_list(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
-            raise ValueError(f"{text!r} is not a CPU list like 0-1 or 0,2")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,10 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ours / vllm (means of the rounds): "
               + ", ".join(f"{n} tokens {ours[n] / theirs[n]:.2f}" for n in args.lens))
     if args.json:
-        Path(args.json).write_text(json.dumps({"benchmark": "one_prompt", "lens": args.lens, "repeats": args.repeats,
-                                               "threads": args.threads, "cpus": sorted(args.cpu_set), "runs": runs,
-                                               "vllm_threads_bind": settings.threads_bind if settings else None},
-                                              indent=2))
+        write_json(args.json, {"benchmark": "one_prompt", "lens": args.lens, "repeats": args.repeats,
+                               "threads": args.threads, "cpus": sorted(args.cpu_set), "runs": runs,
+                               "vllm_threads_bind": settings.threads_bind if settings else None})
     return 0
 
 

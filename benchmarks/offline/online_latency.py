@@ -30,13 +30,13 @@ from typing import Any, Sequence
 import torch
 
 from benchmarks.common.arrivals import arrival_times
+from benchmarks.common.engine import add_engine_args, make_engine
 from benchmarks.common.engine_run import EngineRun, run_engine
+from benchmarks.common.flags import positive_float
 from benchmarks.common.metrics import summarize
 from benchmarks.common.models import RANDOM, add_model_arg, model_from_args
 from benchmarks.common.report import describe_machine, load_average, print_table, write_json
-from benchmarks.common.workloads import (
-    add_engine_args, add_workload_args, describe_workload, make_engine, workload_from_args,
-)
+from benchmarks.common.workloads import add_workload_args, describe_workload, workload_from_args
 
 MODES = ("continuous", "static")
 TARGET_MEAN_RATIO = 0.43  # continuous mean latency / static mean latency must be <= this
@@ -71,9 +71,9 @@ def parse_args(argv: Sequence[str] | None = None):
     add_model_arg(parser, default=RANDOM)
     add_workload_args(parser)
     add_engine_args(parser)
-    parser.add_argument("--rate-fraction", type=float, default=0.5,
+    parser.add_argument("--rate-fraction", type=positive_float, default=0.5,
                         help="arrival rate as a fraction of static mode's offline capacity")
-    parser.add_argument("--capacity", type=float,
+    parser.add_argument("--capacity", type=positive_float,
                         help="static mode's offline capacity in requests/s; None: measure it first")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
@@ -81,10 +81,6 @@ def parse_args(argv: Sequence[str] | None = None):
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes: choose from {','.join(MODES)}")
-    if not args.rate_fraction > 0:
-        parser.error(f"--rate-fraction must be > 0, got {args.rate_fraction}")
-    if args.capacity is not None and not args.capacity > 0:
-        parser.error(f"--capacity must be > 0, got {args.capacity}")
     if args.trace:
         parser.error("--trace: this benchmark makes its own arrivals; replay a trace with benchmarks.offline.offline")
     args.bench_model = model_from_args(parser, args)

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.common.arrivals import arrival_times
+from benchmarks.common.engine import build_engine, drain
 from benchmarks.common.metrics import percentile
 from benchmarks.common.report import describe_machine, print_table, write_json
 from benchmarks.common.workloads import FIRST_WORD_ID, VOCAB_SIZE, build_checkpoint
@@ -29,10 +30,8 @@ ENGINE = dict(device="cpu", dtype="float32", block_size=16, num_kv_blocks=1000, 
               max_num_batched_tokens=1024)
 
 
-def make_engine(path: str, threads: int | None, **overrides: Any):
-    from inflight.engine import LLMEngine
-
-    return LLMEngine(path, **{**ENGINE, "num_threads": threads, **overrides})
+def policy_engine(path: str, threads: int | None, **overrides: Any):
+    return build_engine(path, **{**ENGINE, "num_threads": threads, **overrides})
 
 
 def greedy(max_tokens: int, **kwargs: Any):
@@ -54,10 +53,9 @@ def bench_prefix(path: str, args) -> dict[str, Any]:
     prompts = [system + random_tokens(rng, int(rng.integers(32, 129))) for _ in range(args.num_requests)]
     results = {}
     for enabled in (True, False):
-        engine = make_engine(path, args.threads, enable_prefix_caching=enabled)
+        engine = policy_engine(path, args.threads, enable_prefix_caching=enabled)
         engine.add_request("warm", prompts[0][:40], greedy(2))
-        while engine.has_unfinished_requests():
-            engine.step()
+        drain(engine)
         computed = 0
 
         def count(record):
@@ -121,8 +119,8 @@ def bench_aging(path: str, args) -> dict[str, Any]:
     results = {}
     for label, max_wait in ((f"aging {args.max_queue_wait_s:g} s", args.max_queue_wait_s), ("no aging", None)):
         rng = np.random.default_rng(1)
-        engine = make_engine(path, args.threads, scheduling_policy="priority", max_queue_wait_s=max_wait,
-                             max_num_seqs=4)
+        engine = policy_engine(path, args.threads, scheduling_policy="priority", max_queue_wait_s=max_wait,
+                               max_num_seqs=4)
         waits: dict[str, list[float]] = {"urgent": [], "background": []}
         names = iter(range(10**9))
         start, next_bg, starved = time.time(), 0, 0
@@ -173,7 +171,7 @@ def bench_fairness(path: str, args) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for label, policy, arrivals in (("B alone", "fcfs", steady), ("flood, fcfs", "fcfs", flood + steady),
                                     ("flood, fair", "fair", flood + steady)):
-        engine = make_engine(path, args.threads, scheduling_policy=policy, max_queue_wait_s=None)
+        engine = policy_engine(path, args.threads, scheduling_policy=policy, max_queue_wait_s=None)
         done = online_run(engine, sorted(arrivals, key=lambda a: a[0]), label)
         ttft = {rid: d["first_token"] - d["arrival"] for rid, d in done.items()}
         b = [t for rid, t in ttft.items() if rid.startswith("b")]
@@ -280,7 +278,7 @@ def bench_predictor(path: str, args) -> dict[str, Any]:
     times = arrival_times(args.num_requests * 2, args.predictor_rate, seed=5)
     arrivals = [(t, str(i), random_tokens(rng, int(rng.integers(50, 800))), greedy(int(rng.integers(20, 200))), 0)
                 for i, t in enumerate(times)]
-    engine = make_engine(path, args.threads, max_num_seqs=8, num_kv_blocks=500)
+    engine = policy_engine(path, args.threads, max_num_seqs=8, num_kv_blocks=500)
     made, steps = record_predictions(engine)
     done = online_run(engine, arrivals, "predictor")
     rows = explain_predictions(made, steps, done)

@@ -26,7 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.common.workloads import BenchRequest, drain, make_engine, sampling_params
+from benchmarks.common.engine import drain, make_engine
+from benchmarks.common.workloads import BenchRequest, sampling_params
 
 METHODS = ("none", "ngram", "draft", "oracle")
 COPY_PREFIX = 120  # tokens of the model's own continuation appended to each copy-workload prompt

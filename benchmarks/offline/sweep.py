@@ -29,17 +29,16 @@ from typing import Any, Sequence
 import torch
 
 from benchmarks.common.arrivals import arrival_times
+from benchmarks.common.engine import add_engine_args, make_engine
 from benchmarks.common.engine_run import run_engine
+from benchmarks.common.flags import comma_separated, positive_float, positive_int
 from benchmarks.common.metrics import (
     SLO, CurveComparison, OperatingPoint, compare_curves, interpolate, pick_operating_point, recommend_token_budget,
     summarize,
 )
 from benchmarks.common.models import RANDOM, add_model_arg, model_from_args
 from benchmarks.common.report import describe_machine, load_average, print_table, pyplot, save_figure, write_json
-from benchmarks.common.workloads import (
-    BenchRequest, add_engine_args, add_workload_args, describe_workload, make_engine,
-    positive_int, workload_from_args,
-)
+from benchmarks.common.workloads import BenchRequest, add_workload_args, describe_workload, workload_from_args
 
 MODES = ("static", "continuous")
 
@@ -223,10 +222,7 @@ def _load(value: float | None) -> str:
 
 # -- main -----------------------------------------------------------------------------------------------
 def parse_values(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    values = comma_separated(text, float)
     if len(values) < 2 or any(not v > 0 for v in values) or any(b <= a for a, b in zip(values, values[1:])):
         raise argparse.ArgumentTypeError(f"expected at least 2 increasing numbers > 0, got {text!r}")
     return values
@@ -251,7 +247,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="sweep values, comma-separated and increasing (default: 1,2,3,4,6 req/s for rate, "
                              "1,2,4,8,16 for max-num-seqs)")
     parser.add_argument("--rate", type=float, help="max-num-seqs sweep: arrivals at this rate instead of all at once")
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
     parser.add_argument("--latency", choices=["mean", "p50", "p90", "p99"], default="p90",
                         help="which end-to-end latency statistic the curves show and compare")
     parser.add_argument("--latency-slo-s", type=float, help="recommend only points with latency at most this")
@@ -269,8 +265,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--values: max-num-seqs takes whole numbers, got {args.values}")
     if args.serving and args.over != "rate":
         parser.error("--serving: a server's max_num_seqs is fixed by its config; sweep --over rate")
-    if not args.burstiness > 0:
-        parser.error(f"--burstiness must be > 0, got {args.burstiness}")
     if args.rate is not None and not args.rate > 0:
         parser.error(f"--rate must be > 0, got {args.rate}")
     if args.trace:

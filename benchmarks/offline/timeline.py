@@ -22,9 +22,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from benchmarks.common.engine import build_engine
 from benchmarks.common.engine_run import run_engine
+from benchmarks.common.flags import comma_separated, positive_int
 from benchmarks.common.report import print_table, pyplot, save_figure, write_json
-from benchmarks.common.workloads import BenchRequest, positive_int
+from benchmarks.common.workloads import BenchRequest
 
 MODES = ("static", "continuous")
 STATES = ("prefill", "decode", "padding", "held", "idle")
@@ -85,11 +87,9 @@ def requests_of(output_lens: Sequence[int], prompt_len: int) -> list[BenchReques
 
 
 def run_mode(mode: str, requests: Sequence[BenchRequest], args) -> list[list[Cell]]:
-    from inflight.engine import LLMEngine
-
-    engine = LLMEngine("demo-tiny", device="cpu", num_threads=1, batching=mode, max_num_seqs=args.slots,
-                       max_num_batched_tokens=max(args.slots, args.max_num_batched_tokens), block_size=4,
-                       num_kv_blocks=256)
+    engine = build_engine("demo-tiny", device="cpu", num_threads=1, batching=mode, max_num_seqs=args.slots,
+                          max_num_batched_tokens=max(args.slots, args.max_num_batched_tokens), block_size=4,
+                          num_kv_blocks=256)
     run = run_engine(engine, requests, desc=mode, keep_records=True)
     labels = {str(i): name for i, name in enumerate(args.names)}
     for record in run.records:  # the engine's ids are our request indices: show the letters
@@ -153,10 +153,7 @@ def plot(grids: dict[str, list[list[Cell]]], names: Sequence[str], num_slots: in
 
 # -- main -----------------------------------------------------------------------------------------------
 def parse_output_lens(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    values = comma_separated(text, int, "integers")
     if not values or min(values) < 1 or len(values) > len(string.ascii_uppercase):
         raise argparse.ArgumentTypeError(f"expected 1 to 26 integers >= 1, got {text!r}")
     return values

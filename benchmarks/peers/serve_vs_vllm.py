@@ -49,9 +49,10 @@ import httpx
 import yaml
 
 from benchmarks.common.models import BenchModel, add_model_arg, model_from_args
+from benchmarks.common.report import write_json
+from benchmarks.common.workloads import MODEL_NAME, add_sampling_args, check_sampling_args
 from benchmarks.peers.preload import with_peer_preload
 from benchmarks.peers.vllm_baseline import resolve_peer_python
-from benchmarks.common.workloads import MODEL_NAME, add_sampling_args, check_sampling_args
 from inflight.engine.cpu_list import format_cpu_list
 from inflight.serve_app.cpu_plan import cpus_left
 from inflight.serve_app.ray_env import API_PORT, LOCAL_PROXY_PORT
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in summary["ours_over_vllm"].items():
             print(f"{key}: {value:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+        write_json(args.json, summary)
     return 0
 
 

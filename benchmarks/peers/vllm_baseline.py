@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from benchmarks.peers.hf_baselines import BaselineRun
-from benchmarks.peers.preload import with_peer_preload
-from benchmarks.peers.kv_budget import BLOCK_SIZE, DTYPE_BYTES, checkpoint_kv_shape, kv_cache_sizes, threads_bind
 from benchmarks.common.workloads import MODEL_SHAPE, TOY_TOKEN_RANGE, BenchRequest, warmup_workload
+from benchmarks.peers.hf_baselines import BaselineRun
+from benchmarks.peers.kv_budget import BLOCK_SIZE, DTYPE_BYTES, checkpoint_kv_shape, kv_cache_sizes, threads_bind
+from benchmarks.peers.preload import with_peer_preload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "vllm_offline.py"

@@ -41,11 +41,12 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.common.arrivals import arrival_times, load_trace
+from benchmarks.common.flags import comma_separated, positive_int
 from benchmarks.common.metrics import SLO, RequestLatency, goodput, inter_token_latencies, summarize, time_per_output_token
+from benchmarks.common.models import BenchModel, resolve_model
 from benchmarks.common.openai_client import CLIENT_ERRORS, client_session, stream_completion
 from benchmarks.common.report import load_average, print_table, pyplot, save_figure, write_json
-from benchmarks.common.models import BenchModel, resolve_model
-from benchmarks.common.workloads import WORKLOADS, build_workload, positive_int
+from benchmarks.common.workloads import WORKLOADS, build_workload
 
 DEMO_TINY_VOCAB = (7, 263)  # demo-tiny's byte ids: prompts for a model the benchmarks do not know
 
@@ -205,10 +206,7 @@ def plot(summaries: dict[str, dict[str, Any]], path: str) -> None:
 
 # -- main -----------------------------------------------------------------------------------------------
 def parse_rates(text: str) -> list[float]:
-    try:
-        rates = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers (or inf), got {text!r}") from None
+    rates = comma_separated(text, float, "numbers (or inf)")
     if not rates or any(not r > 0 for r in rates):
         raise argparse.ArgumentTypeError(f"rates must be > 0 requests/s, got {text!r}")
     return rates

@@ -32,10 +32,10 @@ from typing import Awaitable, Callable
 from tqdm import tqdm
 
 from benchmarks.common.models import BenchModel, add_model_arg, model_from_args
-from benchmarks.serving.no_work_engine import STEP_S
 from benchmarks.common.openai_client import client_session, stream_completion
 from benchmarks.common.report import format_table, write_json
 from benchmarks.common.serve_processes import cpu_by_role, sample_processes
+from benchmarks.serving.no_work_engine import STEP_S
 from inflight.engine.cpu_list import parse_cpu_list
 
 ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)

@@ -8,12 +8,12 @@ import sys
 import pytest
 import yaml
 
-from benchmarks.offline import offline
-from benchmarks.micro import scheduler
-from benchmarks.peers import serve_vs_vllm
-from benchmarks.serving import serving, serving_overhead
 from benchmarks.common.models import RANDOM
 from benchmarks.common.workloads import MODEL_NAME
+from benchmarks.micro import scheduler
+from benchmarks.offline import offline
+from benchmarks.peers import serve_vs_vllm
+from benchmarks.serving import serving, serving_overhead
 from inflight.engine.models.packaged import SMOLLM2, packaged_model_path
 from inflight.serve_app.config import AppConfig
 

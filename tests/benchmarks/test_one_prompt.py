@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
+from benchmarks.common.workloads import build_checkpoint
 from benchmarks.offline import one_prompt
 from benchmarks.peers.vllm_baseline import VllmSettings
-from benchmarks.common.workloads import build_checkpoint
 
 # Prompt k of each length took (k + 1) * length microseconds; also echoes the environment it was given.
 FAKE_WORKER = textwrap.dedent("""

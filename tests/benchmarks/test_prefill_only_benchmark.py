@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.offline import offline
 from benchmarks.common.engine_run import run_engine
-from benchmarks.offline.prefill_only import lane_summary
 from benchmarks.common.workloads import BenchRequest, build_workload
+from benchmarks.offline import offline
+from benchmarks.offline.prefill_only import lane_summary
 from tests.engine.helpers import make_engine
 
 

@@ -10,8 +10,8 @@ import socket
 import pytest
 from aiohttp import web
 
-from benchmarks.serving import serving
 from benchmarks.common.metrics import SLO
+from benchmarks.serving import serving
 from benchmarks.serving.serving import LoadRequest, RequestResult, run_load, summarize_load
 
 

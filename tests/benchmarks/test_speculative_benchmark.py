@@ -8,8 +8,8 @@ import json
 import pytest
 from safetensors import safe_open
 
-from benchmarks.offline import offline, speculative
 from benchmarks.common.workloads import build_checkpoint
+from benchmarks.offline import offline, speculative
 
 
 def test_offline_runs_each_method_on_the_copy_workload(tmp_path):

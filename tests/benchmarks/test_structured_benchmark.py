@@ -8,8 +8,8 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from benchmarks.offline import offline, structured
 from benchmarks.common.workloads import BenchRequest, request_params
+from benchmarks.offline import offline, structured
 from tests.engine.helpers import make_engine
 
 

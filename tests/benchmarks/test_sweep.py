@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.common.workloads import BenchRequest
 from benchmarks.offline import sweep
 from benchmarks.offline.sweep import Point
-from benchmarks.common.workloads import BenchRequest
 
 
 def point(mode, param, tok_s, p90, failed=0):

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common.workloads import MODEL_SHAPE, build_workload, warmup_workload
 from benchmarks.offline import offline
 from benchmarks.peers import vllm_baseline
 from benchmarks.peers.vllm_baseline import (
     VllmSettings, build_job, checkpoint_kv_shape, kv_cache_sizes, resolve_peer_python, run_vllm,
 )
-from benchmarks.common.workloads import MODEL_SHAPE, build_workload, warmup_workload
 
 REQUESTS = build_workload("seed", 3, prompt_lens=(5, 9), output_lens=(2, 4))
 SETTINGS = VllmSettings(python=sys.executable)
