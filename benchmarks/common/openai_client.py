@@ -1,4 +1,5 @@
-"""A streaming OpenAI-API client for benchmarks: per-request TTFT, inter-token gaps and end-to-end time.
+"""A streaming OpenAI-API client for benchmarks: per-request TTFT, inter-token gaps and end-to-end time; and
+``SSEReader``, how every benchmark reads a server-sent-event stream (this client's, and the soak's on httpx).
 
 Works against any OpenAI-compatible endpoint (ours, vLLM, ...). Uses aiohttp, as vLLM's own benchmark client does:
 its HTTP parser is C, so on a small machine that also runs the server the load generator takes little of the CPU
@@ -12,11 +13,37 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any, AsyncIterable, AsyncIterator
 
 import aiohttp
 
 # What a request that got no answer raises: refused or reset connections, timeouts, broken responses.
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+@dataclass
+class SSEReader:
+    """One OpenAI-style event stream read from its lines (bytes or str, as the HTTP client yields them): each
+    ``data:`` line's JSON object in order, up to ``data: [DONE]``. Afterwards ``done`` says whether ``[DONE]``
+    came, ``num_malformed`` how many data lines were not JSON (skipped)."""
+
+    done: bool = False
+    num_malformed: int = 0
+
+    async def events(self, lines: AsyncIterable[bytes | str]) -> AsyncIterator[dict[str, Any]]:
+        async for line in lines:
+            if line[:6] not in (b"data: ", "data: "):
+                continue
+            data = line[6:].strip()
+            if data in (b"[DONE]", "[DONE]"):
+                self.done = True
+                return
+            try:
+                event = json.loads(data)
+            except ValueError:
+                self.num_malformed += 1
+                continue
+            yield event
 
 
 @dataclass
@@ -51,13 +78,8 @@ async def stream_completion(session: aiohttp.ClientSession, base_url: str, model
         if response.status != 200:
             return StreamResult(response.status, error=(await response.text())[:200])
         result = StreamResult(200)
-        async for line in response.content:  # one line at a time, whatever chunks it came in
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                continue
-            event = json.loads(data)
+        sse = SSEReader()
+        async for event in sse.events(response.content):  # one line at a time, whatever chunks it came in
             if "error" in event:
                 result.error = event["error"].get("message", "error")
                 continue
@@ -68,5 +90,8 @@ async def stream_completion(session: aiohttp.ClientSession, base_url: str, model
                 if result.ttft_s is None:
                     result.ttft_s = now
                 result.chunk_times_s.append(now)
+        await response.read()  # the body to its end (nothing after [DONE]), so the connection is kept
         result.e2e_s = time.perf_counter() - start
+        if sse.num_malformed:
+            result.error = f"{sse.num_malformed} events that are not JSON"
         return result

@@ -56,6 +56,8 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
+from benchmarks.common.flags import positive_float, positive_int
+from benchmarks.common.openai_client import SSEReader
 from benchmarks.common.report import load_average, print_table, pyplot, save_figure, write_json
 from benchmarks.common.serve_processes import connect_ray, kill_one_replica, sample_processes
 
@@ -171,25 +173,16 @@ async def post_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]
                 reply.done = True
                 return reply
             events = 0
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    reply.done = True
-                    break
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    reply.body_ok = False
-                    continue
+            sse = SSEReader()
+            async for event in sse.events(response.aiter_lines()):
                 if "error" in event:
                     error = event["error"] or {}
                     reply.error_code, reply.error_message = error.get("code"), error.get("message") or "error"
                 events += 1
                 if cut_after_events is not None and events >= cut_after_events:
                     reply.cut_by_client = True  # leaving the `async with` unread closes the connection
-                    return reply
+                    break
+            reply.done, reply.body_ok = sse.done, not sse.num_malformed
             return reply
     except httpx.HTTPError as e:
         return Reply(exception=f"{type(e).__name__}: {e}"[:200])
@@ -624,26 +617,6 @@ def plot(soak: Soak, path: str) -> None:
 
 
 # -- main ---------------------------------------------------------------------------------------------------
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def role_limit(text: str) -> tuple[str, float]:
     role, sep, value = text.partition("=")
     try:
