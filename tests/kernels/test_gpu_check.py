@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about machines without CUDA")
 def test_gpu_check_fails_fast_and_clearly_without_cuda(tmp_path):
-    proc = subprocess.run([str(ROOT / "benchmarks" / "micro" / "gpu_check.sh"), "--quick"], capture_output=True, text=True,
-                          timeout=60, env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    # PYTHON: this interpreter, also where the checkout has no .venv of its own (a git worktree)
+    env = {"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHON": sys.executable}
+    proc = subprocess.run([str(ROOT / "benchmarks" / "micro" / "gpu_check.sh"), "--quick"], capture_output=True,
+                          text=True, timeout=60, env=env, cwd=tmp_path)
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
