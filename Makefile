@@ -48,7 +48,7 @@ test-fast: install
 k8s-config: install
 	$(PY) k8s/sync_serve_config.py
 
-# vLLM's CPU build in its own virtualenv, for `python -m benchmarks.offline --baselines vllm` only: never part
+# vLLM's CPU build in its own virtualenv, for `python -m benchmarks.offline.offline --baselines vllm` only: never part
 # of install or test, and never imported by ours. Its CUDA builds of torchvision/torchaudio/torchcodec fail
 # to load (`torchvision::nms does not exist`) and a text model needs none of them.
 PEER_VENV ?= .venv-vllm

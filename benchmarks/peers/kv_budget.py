@@ -1,4 +1,4 @@
-"""How vLLM is sized to our KV budget, shared by our process (``benchmarks.vllm_baseline``) and the scripts
+"""How vLLM is sized to our KV budget, shared by our process (``benchmarks.peers.vllm_baseline``) and the scripts
 that run under vLLM's Python (``vllm_offline.py``, ``vllm_serve.py``). Standard library only."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Run one workload through vLLM's offline engine and write what happened as JSON.
 
 This file is executed by the Python of a separate virtualenv that holds vLLM (``make peer-venv``),
-never imported by ours: it uses the standard library and vLLM only. ``benchmarks.vllm_baseline``
+never imported by ours: it uses the standard library and vLLM only. ``benchmarks.peers.vllm_baseline``
 writes the job (checkpoint, token-id prompts, output lengths, engine sizes, the KV override) to a JSON
 file, runs
 

@@ -1,11 +1,11 @@
 """Time vLLM's ``LLM.generate`` of one prompt at a time (``max_tokens`` 1) and write the times as JSON.
 
 Executed by the Python of the virtualenv that holds vLLM (``make peer-venv``), never imported by ours (the
-standard library and vLLM only), for ``benchmarks.one_prompt``:
+standard library and vLLM only), for ``benchmarks.offline.one_prompt``:
 
     PEER_PYTHON benchmarks/peers/vllm_one_prompt.py JOB.json RESULT.json
 
-The job is ``benchmarks.vllm_baseline.build_job``'s (the checkpoint and the engine's sizes) with
+The job is ``benchmarks.peers.vllm_baseline.build_job``'s (the checkpoint and the engine's sizes) with
 ``prompts_by_length``: {length: [token-id prompts]}. The result: ``times_s`` {length: [seconds per prompt, in
 order]} (the caller drops its warm-up prompts), vLLM's version and its ``VLLM_CPU`` environment.
 """

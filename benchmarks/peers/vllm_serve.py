@@ -1,18 +1,18 @@
 """Start vLLM's OpenAI-compatible server (its CPU build) on a checkpoint, with the KV budget ours gets.
 
 ``--model`` is a Hugging Face checkpoint directory: by default the random benchmark checkpoint (``bench-random``);
-``benchmarks.serve_vs_vllm`` passes its ``--model``'s (a GGUF file's export, ``benchmarks.models``) and the served
+``benchmarks.peers.serve_vs_vllm`` passes its ``--model``'s (a GGUF file's export, ``benchmarks.common.models``) and the served
 name ours has.
 
 This file is executed by the Python of the separate virtualenv that holds vLLM (``make peer-venv``), never
 imported by ours: the standard library at module level, vLLM only inside ``main``. It serves what
-``configs/bench-vs-vllm.yaml`` serves, for loading both with ``benchmarks.serving`` (issue 12):
+``configs/bench-vs-vllm.yaml`` serves, for loading both with ``benchmarks.serving.serving`` (issue 12):
 
     PEER_PYTHON benchmarks/peers/vllm_serve.py [--threads-bind auto|0-1] [--port 8001] [-- more `vllm serve` flags]
-    .venv/bin/python -m benchmarks.serving --base-url http://127.0.0.1:8001 --vocab-range 4 4096 ...
+    .venv/bin/python -m benchmarks.serving.serving --base-url http://127.0.0.1:8001 --vocab-range 4 4096 ...
 
 It runs ``vllm serve`` in this process, as the ``vllm`` command would (through ``vllm_cli.py``: that command
-itself dies with ``PackageNotFoundError: vllm``). The same sizes as ``benchmarks.vllm_baseline``'s
+itself dies with ``PackageNotFoundError: vllm``). The same sizes as ``benchmarks.peers.vllm_baseline``'s
 offline job: the KV budget in tokens (8,000) in blocks of 32 (a multiple of 32 on CPU), one more block
 than that needs (vLLM holds one back) given as ``--num-gpu-blocks-override`` and sized exactly by
 ``--kv-cache-memory-bytes`` (``VLLM_CPU_KVCACHE_SPACE``, whole GiB, is removed from the environment), 64
@@ -33,7 +33,7 @@ from typing import Sequence
 from kv_budget import BLOCK_SIZE, DTYPE_BYTES, checkpoint_kv_shape, kv_cache_sizes, threads_bind  # beside this file
 from vllm_cli import run_vllm
 
-# benchmarks.workloads' checkpoint (MODEL_NAME, build_checkpoint's default cache directory) and KV budget
+# benchmarks.common.workloads' checkpoint (MODEL_NAME, build_checkpoint's default cache directory) and KV budget
 # (BLOCK_SIZE x NUM_KV_BLOCKS); that module needs numpy, so they are repeated here rather than imported.
 MODEL_NAME = "bench-llama-h256-l4-v4096"
 KV_BUDGET_TOKENS = 16 * 500

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.arrivals import arrival_times, load_trace
+from benchmarks.common.arrivals import arrival_times, load_trace
 
 
 def test_gaps_have_mean_one_over_rate_and_burstiness_spreads_them():

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import chat_texts
-from benchmarks.engine_run import check_output_lens, run_engine
-from benchmarks.models import resolve_model
-from benchmarks.workloads import OUTPUT_LEN_RANGE, build_workload, engine_args, request_params
+from benchmarks.common import chat_texts
+from benchmarks.common.engine import engine_args
+from benchmarks.common.engine_run import check_output_lens, run_engine
+from benchmarks.common.models import resolve_model
+from benchmarks.common.workloads import OUTPUT_LEN_RANGE, build_workload, request_params
 from inflight.engine.models.packaged import SMOLLM2, packaged_model_path
 
 IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|> (its end of turn)

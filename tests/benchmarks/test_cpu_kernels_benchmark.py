@@ -1,4 +1,4 @@
-"""benchmarks.cpu_kernels: a table of every kernel for each width asked, and a bad width named."""
+"""benchmarks.micro.cpu_kernels: a table of every kernel for each width asked, and a bad width named."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from benchmarks import cpu_kernels as bench
+from benchmarks.micro import cpu_kernels as bench
 from inflight.kernels import cpu_kernels
 
 

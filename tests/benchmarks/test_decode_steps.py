@@ -1,18 +1,18 @@
-"""benchmarks.decode_steps: ours for real on the benchmark checkpoint (few tokens), a row per count, and the flags."""
+"""benchmarks.micro.decode_steps: ours for real on the benchmark checkpoint (few tokens), a row per count, and the flags."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import decode_steps
-from benchmarks.decode_steps import build_engine
+from benchmarks.micro import decode_steps
+from benchmarks.micro.decode_steps import decode_engine
 from inflight.engine.models import cpu_packing
 
 
 def test_steps_are_decode_steps_only_and_counted_per_row_count(capsys, monkeypatch):
     monkeypatch.setattr(cpu_packing, "KERNEL_ROWS", cpu_packing.KERNEL_ROWS)  # --kernel-rows is undone after
     engines = []
-    monkeypatch.setattr(decode_steps, "build_engine", lambda *a: engines.append(build_engine(*a)) or engines[-1])
+    monkeypatch.setattr(decode_steps, "decode_engine", lambda *a: engines.append(decode_engine(*a)) or engines[-1])
     decode_steps.main(["--rows", "1,3", "--prompt-len", "20", "--tokens", "8", "--repeats", "1", "--kernel-rows", "0"])
     linears = [m for m in engines[0].runner.model.modules() if hasattr(m, "kernel_rows")]
     assert linears and all(m.kernel_rows == 0 for m in linears)  # the engine ran oneDNN alone, as asked
@@ -24,7 +24,7 @@ def test_steps_are_decode_steps_only_and_counted_per_row_count(capsys, monkeypat
 
 
 def test_a_run_reports_the_steps_after_the_prompts():
-    engine = build_engine(2, 20, 8, 1)
+    engine = decode_engine(2, 20, 8, 1)
     times = decode_steps.step_times(engine, 2, prompt_len=20, tokens=8)
     # one step prefills both prompts and samples their first tokens, 7 more decode: all but PROMPT_STEPS reported
     assert len(times) == 8 - decode_steps.PROMPT_STEPS

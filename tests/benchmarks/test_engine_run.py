@@ -1,11 +1,11 @@
-"""benchmarks.engine_run on demo-tiny: the step records add up to the tokens the engine really computed."""
+"""benchmarks.common.engine_run on demo-tiny: the step records add up to the tokens the engine really computed."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.engine_run import run_engine
-from benchmarks.workloads import BenchRequest
+from benchmarks.common.engine_run import run_engine
+from benchmarks.common.workloads import BenchRequest
 from tests.engine.helpers import make_engine
 
 # 3 requests of 6-token prompts (demo-tiny's byte ids) asking for 2, 5 and 3 tokens

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.metrics import (
+from benchmarks.common.metrics import (
     SLO, EngineLimits, OperatingPoint, RequestLatency, StepSample, compare_curves, diagnose_kv, goodput,
     inter_token_latencies, interpolate, padded_static_batch_tokens, percentile, pick_operating_point,
     recommend_token_budget, summarize, summarize_steps, time_per_output_token, useful_computed_tokens,

@@ -8,9 +8,12 @@ import sys
 import pytest
 import yaml
 
-from benchmarks import offline, scheduler, serve_vs_vllm, serving, serving_overhead
-from benchmarks.models import RANDOM
-from benchmarks.workloads import MODEL_NAME
+from benchmarks.common.models import RANDOM
+from benchmarks.common.workloads import MODEL_NAME
+from benchmarks.micro import scheduler
+from benchmarks.offline import offline
+from benchmarks.peers import serve_vs_vllm
+from benchmarks.serving import serving, serving_overhead
 from inflight.engine.models.packaged import SMOLLM2, packaged_model_path
 from inflight.serve_app.config import AppConfig
 
@@ -143,7 +146,7 @@ def test_help_names_the_flag(module, capsys):
 
 
 def test_online_latency_and_sweep_take_the_flag_and_keep_the_toy_default():
-    from benchmarks import online_latency, sweep
+    from benchmarks.offline import online_latency, sweep
 
     args, _ = online_latency.parse_args(["--num-requests", "2"])
     assert args.bench_model.kind == "random" and sweep.parse_args([]).bench_model.kind == "random"

@@ -1,4 +1,4 @@
-"""benchmarks.models: --model resolved for every kind of name, and a GGUF file's Hugging Face export."""
+"""benchmarks.common.models: --model resolved for every kind of name, and a GGUF file's Hugging Face export."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import models
-from benchmarks.models import BenchModel, export_dir, export_hf_checkpoint, resolve_model
-from benchmarks.workloads import FIRST_WORD_ID, MODEL_NAME, VOCAB_SIZE, build_checkpoint
+from benchmarks.common import models
+from benchmarks.common.models import BenchModel, export_dir, export_hf_checkpoint, resolve_model
+from benchmarks.common.workloads import FIRST_WORD_ID, MODEL_NAME, VOCAB_SIZE, build_checkpoint
 from inflight.engine.models.packaged import DEFAULT_MODEL, SMOLLM2, packaged_model_path
 from tests.gguf_files import write_gguf
 

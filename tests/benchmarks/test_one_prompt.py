@@ -1,4 +1,4 @@
-"""benchmarks.one_prompt: ours for real on the benchmark checkpoint, vLLM's side through a fake worker that
+"""benchmarks.offline.one_prompt: ours for real on the benchmark checkpoint, vLLM's side through a fake worker that
 answers like benchmarks/peers/vllm_one_prompt.py, and the flags."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from benchmarks import one_prompt
-from benchmarks.vllm_baseline import VllmSettings
-from benchmarks.workloads import build_checkpoint
+from benchmarks.common.workloads import build_checkpoint
+from benchmarks.offline import one_prompt
+from benchmarks.peers.vllm_baseline import VllmSettings
 
 # Prompt k of each length took (k + 1) * length microseconds; also echoes the environment it was given.
 FAKE_WORKER = textwrap.dedent("""

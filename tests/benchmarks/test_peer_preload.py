@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.peers import preload
-from benchmarks.vllm_baseline import VllmSettings, worker_env
+from benchmarks.peers.vllm_baseline import VllmSettings, worker_env
 
 
 def fake_venv(tmp_path, tcmalloc=True, iomp=True):

@@ -1,13 +1,13 @@
-"""The prefill-only workload and its lane-vs-mixed report (benchmarks.prefill_only, benchmarks.offline)."""
+"""The prefill-only workload and its lane-vs-mixed report (benchmarks.offline.prefill_only, benchmarks.offline.offline)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import offline
-from benchmarks.engine_run import run_engine
-from benchmarks.prefill_only import lane_summary
-from benchmarks.workloads import BenchRequest, build_workload
+from benchmarks.common.engine_run import run_engine
+from benchmarks.common.workloads import BenchRequest, build_workload
+from benchmarks.offline import offline
+from benchmarks.offline.prefill_only import lane_summary
 from tests.engine.helpers import make_engine
 
 

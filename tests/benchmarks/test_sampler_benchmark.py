@@ -1,4 +1,4 @@
-"""benchmarks.sampler: figures for every kind of request, and a baseline tree timed beside this one."""
+"""benchmarks.micro.sampler: figures for every kind of request, and a baseline tree timed beside this one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import sampler
+from benchmarks.micro import sampler
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""benchmarks.scheduler: exclusive part times, and a tiny run end to end."""
+"""benchmarks.micro.scheduler: exclusive part times, and a tiny run end to end."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from benchmarks import scheduler
-from benchmarks.scheduler import PartTimer
+from benchmarks.micro import scheduler
+from benchmarks.micro.scheduler import PartTimer
 
 
 def test_part_timer_takes_inner_parts_out_of_outer_ones():
@@ -65,7 +65,7 @@ def test_opcode_counts_repeat_exactly_and_grow_with_the_batch():
     for persistent, num_requests in (("off", 4), ("off", 4), ("off", 16), ("on", 16)):
         args = scheduler.parse_args(["--model", "demo-tiny", "--num-requests", str(num_requests), "--steps", "5",
                                      "--decoded-tokens", "3", "--prompt-len", "8", "--persistent-batch", persistent])
-        engine = scheduler.build_engine(args)
+        engine = scheduler.stand_in_engine(args)
         scheduler.start_requests(engine, args, 0)
         counts.setdefault((persistent, num_requests), []).append(scheduler.count_opcodes(engine, 3))
     assert counts["off", 4][0] == counts["off", 4][1] > 0

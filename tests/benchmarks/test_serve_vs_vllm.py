@@ -1,4 +1,4 @@
-"""benchmarks.serve_vs_vllm: the configs it serves ours with (the servers themselves run in the benchmark)."""
+"""benchmarks.peers.serve_vs_vllm: the configs it serves ours with (the servers themselves run in the benchmark)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks import serve_vs_vllm
+from benchmarks.peers import serve_vs_vllm
 from inflight.serve_app.config import AppConfig
 from inflight.serve_app.cpu_plan import serving_cpus
 

@@ -1,4 +1,4 @@
-"""benchmarks.serving against a real HTTP server on this machine (aiohttp's): streaming timings, failures by
+"""benchmarks.serving.serving against a real HTTP server on this machine (aiohttp's): streaming timings, failures by
 status, concurrency cap, a refused connection."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import socket
 import pytest
 from aiohttp import web
 
-from benchmarks import serving
-from benchmarks.metrics import SLO
-from benchmarks.serving import LoadRequest, RequestResult, run_load, summarize_load
+from benchmarks.common.metrics import SLO
+from benchmarks.serving import serving
+from benchmarks.serving.serving import LoadRequest, RequestResult, run_load, summarize_load
 
 
 def sse(*events) -> bytes:

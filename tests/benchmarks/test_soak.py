@@ -1,4 +1,4 @@
-"""The soak benchmark (benchmarks.soak): its summary math, its classification and arguments, without a server.
+"""The soak benchmark (benchmarks.soak.soak): its summary math, its classification and arguments, without a server.
 (One minute of it against a real server: tests/serving/test_soak.py.)"""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from benchmarks import serve_processes, soak
-from benchmarks.soak import CLIENT, EXPECTED_4XX, LOST, OK, UNEXPECTED, Limits, Reply
+from benchmarks.common import serve_processes
+from benchmarks.soak import soak
+from benchmarks.soak.soak import CLIENT, EXPECTED_4XX, LOST, OK, UNEXPECTED, Limits, Reply
 
 
 # -- RSS slope ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""benchmarks.speculative, through ``benchmarks.offline --speculative``: every method emits the same tokens (the
+"""benchmarks.offline.speculative, through ``benchmarks.offline.offline --speculative``: every method emits the same tokens (the
 run checks each request's length; the oracle's 100% acceptance checks its outputs), and the layer-skip draft."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 from safetensors import safe_open
 
-from benchmarks import offline, speculative
-from benchmarks.workloads import build_checkpoint
+from benchmarks.common.workloads import build_checkpoint
+from benchmarks.offline import offline, speculative
 
 
 def test_offline_runs_each_method_on_the_copy_workload(tmp_path):

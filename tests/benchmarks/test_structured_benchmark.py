@@ -1,4 +1,4 @@
-"""benchmarks.structured, through ``benchmarks.offline --structured-fraction``: the share of constrained
+"""benchmarks.offline.structured, through ``benchmarks.offline.offline --structured-fraction``: the share of constrained
 requests, their outputs, and a tiny run end to end."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from benchmarks import offline, structured
-from benchmarks.workloads import BenchRequest, request_params
+from benchmarks.common.workloads import BenchRequest, request_params
+from benchmarks.offline import offline, structured
 from tests.engine.helpers import make_engine
 
 

@@ -1,4 +1,4 @@
-"""benchmarks.sweep's decisions on hand-made points: median run, who leads, what to recommend."""
+"""benchmarks.offline.sweep's decisions on hand-made points: median run, who leads, what to recommend."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import sweep
-from benchmarks.sweep import Point
-from benchmarks.workloads import BenchRequest
+from benchmarks.common.workloads import BenchRequest
+from benchmarks.offline import sweep
+from benchmarks.offline.sweep import Point
 
 
 def point(mode, param, tok_s, p90, failed=0):

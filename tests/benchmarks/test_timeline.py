@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import timeline
-from benchmarks.timeline import Cell, count_states, slot_timeline
+from benchmarks.offline import timeline
+from benchmarks.offline.timeline import Cell, count_states, slot_timeline
 
 
 def record(running, rows, parents=None):

@@ -1,4 +1,4 @@
-"""benchmarks.vllm_baseline without vLLM: the KV sizes, the job, the peer's Python, the flags, and the
+"""benchmarks.peers.vllm_baseline without vLLM: the KV sizes, the job, the peer's Python, the flags, and the
 subprocess plumbing through a fake worker script that answers like the real one."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import offline, vllm_baseline
-from benchmarks.vllm_baseline import (
+from benchmarks.common.workloads import MODEL_SHAPE, build_workload, warmup_workload
+from benchmarks.offline import offline
+from benchmarks.peers import vllm_baseline
+from benchmarks.peers.vllm_baseline import (
     VllmSettings, build_job, checkpoint_kv_shape, kv_cache_sizes, resolve_peer_python, run_vllm,
 )
-from benchmarks.workloads import MODEL_SHAPE, build_workload, warmup_workload
 
 REQUESTS = build_workload("seed", 3, prompt_lens=(5, 9), output_lens=(2, 4))
 SETTINGS = VllmSettings(python=sys.executable)
@@ -82,7 +83,7 @@ def test_job_carries_the_workload_and_the_same_budget_as_ours(tmp_path):
 
 
 def test_sampling_flags_reach_our_requests_and_the_vllm_job(tmp_path):
-    from benchmarks.workloads import request_params
+    from benchmarks.common.workloads import request_params
 
     args, requests, _, _ = offline.parse_args(["--baselines", "vllm", "--vllm-python", sys.executable,
                                                "--num-requests", "3", "--temperature", "0.8", "--top-p", "0.9"])

@@ -1,22 +1,25 @@
-"""benchmarks/gpu_check.sh without a GPU stops at once with a clear message; its roofline counts the right bytes."""
+"""benchmarks/micro/gpu_check.sh without a GPU stops at once with a clear message; its roofline counts the right bytes."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.gpu_check import LLAMA3_8B, roofline
+from benchmarks.micro.gpu_check import LLAMA3_8B, roofline
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about machines without CUDA")
 def test_gpu_check_fails_fast_and_clearly_without_cuda(tmp_path):
-    proc = subprocess.run([str(ROOT / "benchmarks" / "gpu_check.sh"), "--quick"], capture_output=True, text=True,
-                          timeout=60, env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    # PYTHON: this interpreter, also where the checkout has no .venv of its own (a git worktree)
+    env = {"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHON": sys.executable}
+    proc = subprocess.run([str(ROOT / "benchmarks" / "micro" / "gpu_check.sh"), "--quick"], capture_output=True,
+                          text=True, timeout=60, env=env, cwd=tmp_path)
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()

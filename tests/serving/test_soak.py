@@ -1,4 +1,4 @@
-"""Half a minute of benchmarks.soak's mixed load against the shared demo app (the serving suite's session cluster,
+"""Half a minute of benchmarks.soak.soak's mixed load against the shared demo app (the serving suite's session cluster,
 started by tests/serving/fixtures.py; here, not in tests/benchmarks/, so that the session cluster starts after
 the multinode tests, which need this machine free of another Ray)."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from benchmarks import soak
-from benchmarks.soak import CLIENT, EXPECTED_4XX
+from benchmarks.soak import soak
+from benchmarks.soak.soak import CLIENT, EXPECTED_4XX
 from tests.serving.helpers import wait_idle
 
 
