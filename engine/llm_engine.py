@@ -18,7 +18,8 @@ from inflight.engine.models.packaged import DEFAULT_MODEL
 from inflight.engine.models.source import read_model_source
 from inflight.engine.model_runner import (LaunchedStep, ModelRunner, PromptOutput, RunnerOutput, SharedBudget, resolve_device,
                                  resolve_dtype)
-from inflight.engine.output_processor import CoreRecord, OutputProcessor
+from inflight.engine.core_messages import CoreMetrics, PlainStep, Record, SequenceUpdate
+from inflight.engine.output_processor import OutputProcessor
 from inflight.engine.outputs import RequestOutput
 from inflight.engine.persistent_batch import consume
 from inflight.engine.prefill_lane import PrefillLane
@@ -327,9 +328,9 @@ class LLMEngine:
             self.finish_stopped(request_id, stop)
         return outputs
 
-    def core_step(self) -> list[CoreRecord]:
+    def core_step(self) -> list[Record]:
         """One step of the core: schedule, compute, apply the tokens (token-level stop rules), and report each
-        sequence that got tokens or ended as a ``CoreRecord`` (output_processor.py), for a front end to turn into
+        sequence that got tokens or ended as a record (core_messages.py), for a front end to turn into
         text and outputs. A process that runs only the core (engine_core) sends these."""
         scheduler = self.scheduler
         listener = self.step_listener
@@ -366,10 +367,10 @@ class LLMEngine:
             listener(dataclasses.replace(record, duration_s=time.perf_counter() - started))
         return records
 
-    def _records(self, touched: dict[str, None]) -> list[CoreRecord]:
+    def _records(self, touched: dict[str, None]) -> list[Record]:
         """The records of the requests this step touched: per sequence, what is new since its last record. A
         request whose sequences have all ended leaves the engine here."""
-        records: list[CoreRecord] = []
+        records: list[Record] = []
         add = records.append
         children_of, finished, token_time = self._children, RequestStatus.FINISHED, self._token_time
         for parent in touched:
@@ -387,7 +388,7 @@ class LLMEngine:
                         continue  # nothing new for it (with n > 1: a sibling advanced)
                     if child.sent_first_output and child.logprobs is None:  # the usual: new tokens, nothing else
                         child.sent_token_len = num_tokens
-                        add((child.request_id, token_ids[sent:], None, None, None, None, None, None))
+                        add(SequenceUpdate(child.request_id, token_ids[sent:]))
                         continue
                 record = self._record(child, ended, token_time)
                 if record is not None:
@@ -412,15 +413,15 @@ class LLMEngine:
         self._plain_rows, self._plain_outputs = rows, outputs
         return True
 
-    def _records_of_plain_step(self, step: "_Launched") -> list[CoreRecord]:
+    def _records_of_plain_step(self, step: "_Launched") -> list[Record]:
         """``_records`` for a ``_plain_step``: one record for all its rows, their ids and their one new token each
-        (output_processor.CoreRecord), without bytecode per row."""
+        (a ``PlainStep``), without bytecode per row."""
         consume(map(setattr, step.rows, repeat("sent_token_len"), map(len, self._plain_outputs)))
         result = step.outcome[0] if step.future is None else step.future.result()[0]
-        return [(step.batch.request_ids, list(result.sampled_token_ids))]
+        return [PlainStep(step.batch.request_ids, list(result.sampled_token_ids))]
 
     @staticmethod
-    def _record(child: Request, ended: bool, token_time: float) -> CoreRecord | None:
+    def _record(child: Request, ended: bool, token_time: float) -> SequenceUpdate | None:
         """``_records``' general case: a sequence's first record (the prompt's outputs, the metrics), its last (its
         end, the metrics, an embedding), one with logprobs; None while a request reports only at its end."""
         token_ids, metrics = child.output_token_ids, child.metrics
@@ -437,13 +438,13 @@ class LLMEngine:
         child.sent_first_output = True
         m = None
         if (first or ended) and child.index == 0:
-            m = (metrics.first_scheduled_time, metrics.first_token_time, metrics.finished_time, metrics.num_preemptions,
-                 metrics.predicted_ttft_s)
+            m = CoreMetrics(metrics.first_scheduled_time, metrics.first_token_time, metrics.finished_time,
+                            metrics.num_preemptions, metrics.predicted_ttft_s)
         embedding = None
         if ended and child.pool and child.pooled_sum is not None:
             embedding = (child.pooled_sum / child.num_prompt_tokens).tolist()
-        return (child.request_id, new, child.finish_reason if ended else None, child.stop_reason, logprobs or None,
-                child.prompt_logprobs if first else None, embedding, m)
+        return SequenceUpdate(child.request_id, new, child.finish_reason if ended else None, child.stop_reason,
+                              logprobs or None, child.prompt_logprobs if first else None, embedding, m)
 
     def _retire(self, parent: str) -> None:
         """Every sequence of the request has ended: it leaves the engine."""
