@@ -487,13 +487,9 @@ class ModelRunner:
         # position of each token = its row's start + its offset inside the row
         positions = starts[row_of_token] + np.arange(token_ends[-1]) - (token_ends - query_lens)[row_of_token]
 
-        # Ragged block tables into one zero-padded array without a Python loop over rows. The rows are the KV
-        # manager's own lists, which the host thread grows for the next step while this one is prepared on the
-        # device thread (async scheduling). They are copied once, so both reads below see the same tables (a row
-        # that grew between two reads of the live lists would shift every later row's blocks). A row may still
-        # grow during the copy (a garbage collection inside it can let the host thread run), but tables only ever
-        # grow: each copy is a prefix of its table that holds every block this step's positions need.
-        block_tables = list(map(list.copy, batch.block_tables))
+        # Ragged block tables into one zero-padded array without a Python loop over rows (the batch's tables are
+        # copies the scheduler made: the KV manager's own lists grow for the next step while this one is prepared).
+        block_tables = batch.block_tables
         lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=batch.num_rows)
         flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum()))
         tables = np.zeros((batch.num_rows, int(lengths.max())), dtype=np.int64)

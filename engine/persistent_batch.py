@@ -121,7 +121,7 @@ class PersistentBatch:
         ends = computed.tolist()
         out = SchedulerOutput(
             request_ids=list(request_ids), input_token_ids=inputs, query_lens=[1] * count,
-            start_positions=starts, block_tables=list(self.tables), sample=[True] * count,
+            start_positions=starts, block_tables=list(map(list.copy, self.tables)), sample=[True] * count,
             padding=[False] * count, placeholder_rows=placeholder_rows)
         self.num_pending = num_pending = num_pending + 1
         consume(map(setattr, self.rows, repeat("num_computed_tokens"), ends))

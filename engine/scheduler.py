@@ -297,7 +297,8 @@ class Scheduler:
                 if metrics.first_scheduled_time is None:
                     now = now or time.time()
                     metrics.first_scheduled_time = now
-        out.block_tables = list(map(self.kv.block_tables.__getitem__, out.request_ids))  # a C loop, every row
+        # copies (C loops, every row): the KV manager grows its lists for the next step while the runner reads these
+        out.block_tables = list(map(list.copy, map(self.kv.block_tables.__getitem__, out.request_ids)))
         if self._num_with_prompt_work:
             self._add_prompt_rows(out, requests)
         if self._ended_with_state and requests:

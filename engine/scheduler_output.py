@@ -32,7 +32,7 @@ class SchedulerOutput:
     input_token_ids: list[int] = field(default_factory=list)  # all rows, flattened
     query_lens: list[int] = field(default_factory=list)
     start_positions: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # copies, as of scheduling: never the live lists
     sample: list[bool] = field(default_factory=list)
     padding: list[bool] = field(default_factory=list)
     # KV copies the runner makes before the forward, outs first: (device block, host block) pairs leaving
