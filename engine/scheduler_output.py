@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from inflight.engine.scheduler import Scheduler
 
 
 class PromptRow(NamedTuple):
@@ -104,3 +107,11 @@ class StepRecord:
     kv_blocks_used: int
     kv_tokens_used: int
     duration_s: float = 0.0
+
+    @classmethod
+    def take(cls, step_index: int, batch: SchedulerOutput, scheduler: Scheduler) -> StepRecord:
+        """The state step ``step_index`` runs in, taken before the runner and ``update`` change it."""
+        running = scheduler.running
+        return cls(step_index, batch, [r.request_id for r in running], {r.request_id: r.parent_id for r in running},
+                   len(scheduler.waiting), scheduler.kv.pool.num_used,
+                   scheduler.kv_stats().num_tokens_used)  # the step's new tokens count as computed
