@@ -18,10 +18,11 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from inflight.engine.cpu_list import parse_cpu_list
-from inflight.engine.engine_core import EngineCoreProcess, StepReport, StepThread
+from inflight.engine.core_messages import AbortRequest, AddRequests, FinishStopped, Record, Refusal, StepReport, StopLoop
+from inflight.engine.engine_core import EngineCoreProcess, StepThread
 from inflight.engine.models.packaged import DEFAULT_MODEL
 from inflight.engine.models.source import read_model_source
-from inflight.engine.output_processor import CoreRecord, OutputProcessor
+from inflight.engine.output_processor import OutputProcessor
 from inflight.engine.outputs import DeadlineUnmeetableError, RequestOutput
 from inflight.engine.request import Continuation, Request
 from inflight.engine.request_maker import PromptInput, RequestMaker
@@ -94,9 +95,9 @@ class AsyncLLMEngine:
                                            parse_cpu_list(engine_cpus) if engine_cpus else None)
             info = self._core.info  # what only the engine knows: the pool it sized, max_model_len to fit it
             self.tokenizer = source.tokenizer
-            self.config, self.max_model_len, self._stats = info["config"], info["max_model_len"], info["stats"]
+            self.config, self.max_model_len, self._stats = info.config, info.max_model_len, info.stats
             self._maker = RequestMaker(self.tokenizer, source.config.vocab_size, source.eos_token_ids,
-                                       self.max_model_len, info["max_model_len_note"])
+                                       self.max_model_len, info.max_model_len_note)
         else:
             if engine is None:
                 from inflight.engine.llm_engine import LLMEngine  # here: with the engine in its own process, this one needs no torch
@@ -151,7 +152,7 @@ class AsyncLLMEngine:
                 self._unapplied[seq] = requests
             # Outside the lock: a send can wait while the engine process is mid-step, and the reader thread needs
             # the lock to hand over that step's report (holding it here could leave both waiting on each other).
-            self._core.send(("add", seq, requests))
+            self._core.send(AddRequests(seq, requests))
         delta = requests[0].params.output_kind == "delta"
         return RequestStream(request_id, requests[0].prompt_token_ids, self._stream(request_id, queue, delta))
 
@@ -211,7 +212,7 @@ class AsyncLLMEngine:
 
     def _abort_soon(self, request_id: str) -> None:
         if self._dead is None and not self._stopping:
-            self._core.send(("abort", request_id))
+            self._core.send(AbortRequest(request_id))
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -229,7 +230,7 @@ class AsyncLLMEngine:
         self._stopping = True
         if self._dead is None:
             try:
-                self._core.send(("stop",))
+                self._core.send(StopLoop())
             except OSError:  # the process has gone already
                 pass
         await asyncio.get_running_loop().run_in_executor(None, self._core.join, 10.0)
@@ -257,22 +258,22 @@ class AsyncLLMEngine:
             self.death_observer(error)
 
     # -- on the event loop -----------------------------------------------------------------------
-    def _deliver(self, records: list[CoreRecord]) -> None:
+    def _deliver(self, records: list[Record]) -> None:
         outputs, stopped = self._front_end.process(records, time.monotonic(), self.max_outputs_per_s)
         if self._dead is None and not self._stopping:
             for request_id, stop in stopped:  # the core ends it between its next steps
-                self._core.send(("stop_string", request_id, stop))
+                self._core.send(FinishStopped(request_id, stop))
         for output in outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
 
-    def _deliver_errors(self, refused: list[tuple[str, Exception]]) -> None:
-        for request_id, error in refused:
-            self._front_end.forget(request_id)
-            queue = self._queues.get(request_id)
+    def _deliver_errors(self, refused: list[Refusal]) -> None:
+        for refusal in refused:
+            self._front_end.forget(refusal.request_id)
+            queue = self._queues.get(refusal.request_id)
             if queue is not None:
-                queue.put_nowait(error)
+                queue.put_nowait(refusal.error)
 
     def _fail_all(self, error: BaseException) -> None:
         for queue in self._queues.values():

@@ -21,7 +21,6 @@ what it has sent since as queued ahead (see ``AsyncLLMEngine._check_deadline_now
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
 import os
 import secrets
@@ -33,9 +32,9 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable
 
-from inflight.engine.output_processor import CoreRecord
+from inflight.engine.core_messages import (AbortRequest, AddRequests, Command, CoreDied, CoreFailed, CoreReady,
+                                           CoreStart, FinishStopped, Refusal, StepReport, StopLoop)
 from inflight.engine.outputs import DeadlineUnmeetableError
-from inflight.engine.ttft_predictor import QueueView
 
 IDLE_WAIT_S = 0.5  # how often an idle loop looks up (new work wakes it at once)
 STATS_PERIOD_S = 0.05  # how fresh stats and the queue view are while steps run (they walk the queues)
@@ -44,47 +43,35 @@ START_TIMEOUT_S = 600.0  # loading a large checkpoint takes a while
 AUTHKEY_ENV = "INFLIGHT_ENGINE_CORE_AUTHKEY"
 
 
-@dataclasses.dataclass
-class StepReport:
-    records: list[CoreRecord] = dataclasses.field(default_factory=list)  # the step's, for the caller's front end
-    refused: list[tuple[str, Exception]] = dataclasses.field(default_factory=list)  # (request id, why)
-    seconds: float | None = None  # the step's wall time (None: no step ran)
-    batch_size: int = 0
-    stats: dict[str, Any] | None = None
-    view: QueueView | None = None
-    applied_seq: int = 0  # every add command up to this one is in stats and view
-
-
 class EngineDied(Exception):
     """The engine's process ended: with an error (its repr, which crossed the process boundary as text), or by
     exiting."""
 
 
-def run_step_loop(engine, receive: Callable[[bool], list[tuple]], report: Callable[[StepReport], None]) -> None:
-    """Run ``engine`` (an ``LLMEngine``) until a ("stop",) command. ``receive(wait)`` returns the commands
-    sent since its last call, waiting up to ``IDLE_WAIT_S`` for one if ``wait``; ``report`` hands a
-    ``StepReport`` to the caller, whose front end (``OutputProcessor``) makes the outputs. Commands: ("add", seq,
-    requests), ("abort", request_id), ("stop_string", request_id, stop): the front end found a stop string,
-    ("stop",): end the loop."""
+def run_step_loop(engine, receive: Callable[[bool], list[Command]], report: Callable[[StepReport], None]) -> None:
+    """Run ``engine`` (an ``LLMEngine``) until a ``StopLoop`` command. ``receive(wait)`` returns the commands
+    (core_messages) sent since its last call, waiting up to ``IDLE_WAIT_S`` for one if ``wait``; ``report`` hands
+    a ``StepReport`` to the caller, whose front end (``OutputProcessor``) makes the outputs."""
     applied_seq, stats_time = 0, 0.0
     while True:
         idle = not engine.has_unfinished_requests()
         refused, added = [], False
         for command in receive(idle):
-            kind = command[0]
-            if kind == "stop":
-                return
-            if kind == "add":
-                _, applied_seq, requests = command
-                added = True
+            kind = type(command)
+            if kind is AddRequests:
+                applied_seq, added = command.seq, True
                 try:
-                    engine.enqueue_core(requests)
+                    engine.enqueue_core(command.requests)
                 except (ValueError, DeadlineUnmeetableError) as e:
-                    refused.append((requests[0].parent_id, e))
-            elif kind == "abort":
-                engine.abort_request(command[1])
-            elif kind == "stop_string":
-                engine.finish_stopped(command[1], command[2])
+                    refused.append(Refusal(command.requests[0].parent_id, e))
+            elif kind is AbortRequest:
+                engine.abort_request(command.request_id)
+            elif kind is FinishStopped:
+                engine.finish_stopped(command.request_id, command.stop)
+            elif kind is StopLoop:
+                return
+            else:
+                raise TypeError(f"not an engine core command: {command!r}")
         if not engine.has_unfinished_requests():
             if added or refused or not idle:  # news: what was added ended at once, or the last request ended
                 report(StepReport(refused=refused, stats=engine.stats(), view=engine.queue_view(),
@@ -93,12 +80,12 @@ def run_step_loop(engine, receive: Callable[[bool], list[tuple]], report: Callab
         started = time.perf_counter()
         records = engine.core_step()
         finished = time.perf_counter()
-        step = StepReport(records, refused, finished - started, engine.last_batch_size, applied_seq=applied_seq)
-        # Fresh at least every period, after new requests are in, and before the outputs that leave the engine
+        # Stats fresh at least every period, after new requests are in, and before the outputs that leave the engine
         # idle are delivered: whoever awaited the last result must not read stats from before it.
+        stats = view = None
         if added or finished - stats_time >= STATS_PERIOD_S or not engine.has_unfinished_requests():
-            step.stats, step.view, stats_time = engine.stats(), engine.queue_view(), finished
-        report(step)
+            stats, view, stats_time = engine.stats(), engine.queue_view(), finished
+        report(StepReport(records, refused, finished - started, engine.last_batch_size, stats, view, applied_seq))
 
 
 def settle_heap() -> None:
@@ -119,14 +106,14 @@ class StepThread:
 
     def __init__(self, engine, on_report: Callable[[StepReport], None], on_death: Callable[[BaseException], None]):
         self.engine = engine
-        self._commands: list[tuple] = []
+        self._commands: list[Command] = []
         self._lock = threading.Lock()
         self._work = threading.Event()
         self._on_report, self._on_death = on_report, on_death
         self._thread = threading.Thread(target=self._run, name="inflight-step", daemon=True)
         self._thread.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: Command) -> None:
         with self._lock:
             self._commands.append(command)
         self._work.set()
@@ -137,7 +124,7 @@ class StepThread:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
-    def _receive(self, wait: bool) -> list[tuple]:
+    def _receive(self, wait: bool) -> list[Command]:
         if wait:
             self._work.wait(IDLE_WAIT_S)
         self._work.clear()
@@ -171,9 +158,9 @@ class EngineCoreProcess:
         self._stopping = False
         try:
             self._conn = _accept(listener, self._process)
-            self._conn.send((model, engine_args, cpus))
+            self._conn.send(CoreStart(model, engine_args, cpus))
             try:
-                kind, payload = self._conn.recv()  # ("ready", info) or ("failed", (type name, message))
+                answer = self._conn.recv()  # CoreReady or CoreFailed
             except EOFError:  # it died while loading (killed for memory, a crash in native code)
                 raise RuntimeError(f"the engine process exited ({self._process.wait(10)}) while it was loading "
                                    f"the model; its log is the replica's") from None
@@ -183,17 +170,16 @@ class EngineCoreProcess:
         finally:
             listener.close()  # removes the socket file; the connection lives on without it
             _remove_dir(self._socket_dir)
-        if kind == "failed":
+        if isinstance(answer, CoreFailed):
             self._process.wait(10)
-            exc_type, message = payload
-            raise (ValueError if exc_type == "ValueError" else RuntimeError)(message)
-        self.info: dict[str, Any] = payload
+            raise (ValueError if answer.error_type == "ValueError" else RuntimeError)(answer.message)
+        self.info: CoreReady = answer
         self._send_lock = threading.Lock()
         self._on_report, self._on_death = on_report, on_death
         self._reader = threading.Thread(target=self._read, name="inflight-core-reader", daemon=True)
         self._reader.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: Command) -> None:
         with self._send_lock:  # the event loop and a shutdown may send at once
             self._conn.send(command)
 
@@ -217,8 +203,8 @@ class EngineCoreProcess:
                 message = conn.recv()
                 if isinstance(message, StepReport):
                     self._on_report(message)
-                elif message[0] == "dead":
-                    raise EngineDied(message[1])
+                elif isinstance(message, CoreDied):
+                    raise EngineDied(message.reason)
         except (EOFError, OSError) as e:
             if not self._stopping:
                 self._on_death(EngineDied(f"the engine process exited ({self._process.poll()}): {e!r}"))
@@ -251,22 +237,22 @@ def _accept(listener: Listener, process: subprocess.Popen) -> Connection:
 def child_main(address: str) -> int:
     """The engine's process (``engine.engine_core_child``): connect, build the engine, run the loop."""
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
-    model, engine_args, cpus = conn.recv()
+    start: CoreStart = conn.recv()
+    cpus = start.cpus
     try:
         if cpus:  # before the engine starts its compute threads, which inherit the mask
             os.sched_setaffinity(0, cpus)
         from inflight.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(model, **engine_args)
+        engine = LLMEngine(start.model, **start.engine_args)
     except Exception as e:  # a bad argument: the server raises it as the in-process engine would
         if isinstance(e, OSError) and cpus:
             e = ValueError(f"engine_cpus: cannot run on CPUs {sorted(cpus)}: {e.strerror}")
-        conn.send(("failed", (type(e).__name__, str(e))))
+        conn.send(CoreFailed(type(e).__name__, str(e)))
         return 1
-    conn.send(("ready", {"config": engine.config, "max_model_len": engine.max_model_len,
-                         "max_model_len_note": engine._max_model_len_note, "stats": engine.stats()}))
+    conn.send(CoreReady(engine.config, engine.max_model_len, engine._max_model_len_note, engine.stats()))
 
-    def receive(wait: bool) -> list[tuple]:
+    def receive(wait: bool) -> list[Command]:
         commands = []
         if wait:
             conn.poll(IDLE_WAIT_S)
@@ -281,7 +267,7 @@ def child_main(address: str) -> int:
         return 0  # the server went away
     except BaseException as e:
         try:
-            conn.send(("dead", repr(e)))
+            conn.send(CoreDied(repr(e)))
         finally:
             raise
     return 0

@@ -9,10 +9,14 @@ Pure functions on plain numbers, tested on hand-made traces.
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
+
+logger = logging.getLogger("inflight.engine.llm_engine")  # (where operators have always found this warning)
 
 KV_UTILISATION_THRESHOLD = 0.6  # the seed's advice: below this, look for fragmentation or a small config
 MIN_WAITING_SHARE = 0.1  # a queue in under this share of the steps is a passing burst, not a state to diagnose
@@ -127,3 +131,29 @@ def diagnose_kv(steps: Sequence[StepSample], limits: EngineLimits, threshold: fl
         message += " (or use continuous batching: a static batch keeps its finished members' slots until it ends)"
     return KVDiagnosis(token_util, block_util, len(waiting), cause,
                        {c: n / len(waiting) for c, n in counts.items()}, message)
+
+
+# The engine's watch looks at every SAMPLE_EVERY-th step, over the last DIAGNOSIS_WINDOW samples, and diagnoses
+# again every DIAGNOSE_EVERY steps: cheap enough for every engine, slow enough to see states, not bursts.
+SAMPLE_EVERY, DIAGNOSIS_WINDOW, DIAGNOSE_EVERY = 10, 100, 200
+
+
+class KVWatch:
+    """The engine's own recent steps, sampled, and the latest diagnosis of them (logged when its cause changes)."""
+
+    def __init__(self, limits: EngineLimits) -> None:
+        self.limits = limits
+        self._samples: deque[StepSample] = deque(maxlen=DIAGNOSIS_WINDOW)
+        self.diagnosis: KVDiagnosis | None = None
+
+    def observe(self, step_index: int, sample: Callable[[], StepSample]) -> None:
+        """Step ``step_index`` ran; ``sample()`` describes it (made only for the steps sampled)."""
+        if step_index % SAMPLE_EVERY:
+            return
+        self._samples.append(sample())
+        if step_index % DIAGNOSE_EVERY:
+            return
+        diagnosis = diagnose_kv(list(self._samples), self.limits)
+        if diagnosis is not None and (self.diagnosis is None or self.diagnosis.cause != diagnosis.cause):
+            logger.warning("KV cache under-used: %s", diagnosis.message)
+        self.diagnosis = diagnosis

@@ -24,23 +24,22 @@ import torch
 
 from inflight.engine.config import EngineConfig
 from inflight.engine.cuda_graphs import DecodeGraphs
+from inflight.engine.device import choose_dtype, resolve_device
+from inflight.engine.kv_budget import SharedBudget, count_kv_blocks
 from inflight.engine.models.cpu_decode import FusedDecode
 from inflight.engine.models.cpu_packing import pack_linear_weights
 from inflight.engine.models.llama import CausalLM
 from inflight.engine.models.loader import build_model
 from inflight.engine.models.source import ModelSource
+from inflight.engine.prompt_outputs import PromptOutput, prompt_outputs
 from inflight.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from inflight.engine.structured_output import GrammarCompiler
-from inflight.engine.scheduler_output import PrefillBatch, PromptRow, SchedulerOutput
+from inflight.engine.scheduler_output import PrefillBatch, SchedulerOutput
 from inflight.kernels import BatchLayout, get_attention_backend
 from inflight.kernels.dense_prefill import DensePrefillMetadata
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 1 << 30
-# Prompt logprobs need logits for every prompt position: they are computed this many bytes of
-# [rows, vocab] float32 at a time, so a long prompt never holds tokens x vocab logits at once.
-PROMPT_LOGITS_CHUNK_BYTES = 1 << 26
 
 
 @dataclass
@@ -53,15 +52,6 @@ class StepArrays:
     slots: np.ndarray  # [num_tokens]
     logits_index: np.ndarray  # [num_sampling_rows]: the token whose hidden state each sampling row reads
     all_decode: bool
-
-
-@dataclass
-class PromptOutput:
-    """What one prompt chunk handed back (``PromptRow``): the logprob of each prompt token it predicts, in
-    order, and the sum over its positions of the final-norm hidden state."""
-
-    logprobs: list[TokenLogprobs] | None
-    pooled_sum: torch.Tensor | None  # [hidden] float32 on the host
 
 
 @dataclass
@@ -95,58 +85,13 @@ class RunnerOutput:
     accepted_logprobs: dict[int, list[TokenLogprobs | None]] = dataclasses.field(default_factory=dict)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    return _resolve_dtype(name, checkpoint_dtype, device)[0]
-
-
-def _resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> tuple[torch.dtype, str]:
-    """The dtype to run in, and why (logged at start)."""
-    if name != "auto":
-        return getattr(torch, name), "asked for"
-    if device.type != "cpu":  # on a GPU, the checkpoint's half precision
-        half = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
-        return getattr(torch, half), f"auto: the checkpoint's {checkpoint_dtype or 'unstated'} dtype on a GPU"
-    # On a CPU, bfloat16 where the CPU has bfloat16 units (AVX-512 BF16, AMX) and our kernels run on them
-    # (~1.7x float32's throughput), for a checkpoint stored in half precision; float32 elsewhere, where bfloat16
-    # would be emulated. Under the CPU kernels bfloat16 layers keep a float32 residual stream
-    # (CausalLM.residual_dtype): with transformers' bf16 stream the real model's logits moved by ~0.15 and, asked
-    # for France's capital, it answered "L'Étoile, ..." at a near-tie where float32 says Paris (docs/benchmarks.md).
-    from inflight.kernels import cpu_kernels
-
-    hardware = cpu_kernels.bf16_hardware()
-    if checkpoint_dtype not in ("bfloat16", "float16"):
-        return torch.float32, f"auto: the checkpoint's {checkpoint_dtype or 'unstated'} dtype on a CPU"
-    if hardware is None:
-        return torch.float32, "auto: this CPU has no bfloat16 units"
-    if not cpu_kernels.bf16_dot_products():
-        return torch.float32, f"auto: this CPU has {hardware}, but the CPU kernels were built without its dot products"
-    return torch.bfloat16, f"auto: a {checkpoint_dtype} checkpoint, and this CPU has {hardware}"
-
-
-@dataclass(frozen=True)
-class SharedBudget:
-    """What another model on the same device takes from the KV budget (a draft model: engine.speculative.draft):
-    its weights, and its KV per token (its cache holds as many tokens as this one's)."""
-
-    weight_bytes: int
-    kv_bytes_per_token: int
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
                  shared: SharedBudget | None = None) -> None:
         self.config = config
         self.shared = shared
         self.device = resolve_device(config.device)
-        self.dtype, why = _resolve_dtype(config.dtype, source.config.torch_dtype, self.device)
+        self.dtype, why = choose_dtype(config.dtype, source.config.torch_dtype, self.device)
         logger.info("running in %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self._threads = None  # (thread, count) the last step ran on, where steps may change the count
         if self.device.type == "cpu":
@@ -169,7 +114,7 @@ class ModelRunner:
                 self.model.residual_dtype = torch.float32  # the CPU kernels' norm keeps it (CausalLM.residual_dtype)
                 self.model.fused_decode = FusedDecode.for_model(self.model, self.backend)  # (None: layer by layer)
         self.model_config = source.config
-        self.num_kv_blocks = self._count_kv_blocks(max_model_len)
+        self.num_kv_blocks = count_kv_blocks(self, max_model_len)
         shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads,
                                             source.config.head_dim)
         # The extra last block is scratch: static-mode padding rows write there and nobody reads it.
@@ -203,60 +148,6 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-
-    def _count_kv_blocks(self, max_model_len: int) -> int:
-        """Blocks for the KV budget; with a ``SharedBudget`` the budget holds a block of the other model's KV for
-        every block of ours, and on CUDA its weights too (an explicit ``num_kv_blocks`` is taken as it is)."""
-        config = self.config
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        per_block, shared = self.kv_bytes_per_block, self.shared
-        if shared is not None:
-            per_block += shared.kv_bytes_per_token * self.block_size
-        if config.kv_cache_memory_bytes is not None:
-            budget = config.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            # What a full step needs on top of the weights is measured, not guessed: run one.
-            activations = self._peak_step_bytes(max_model_len)
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free  # the weights, and whatever else lives on the device
-            budget = int(total * config.gpu_memory_utilization) - used - activations
-            if shared is not None:  # loaded after this count: its weights come out of the same budget
-                budget -= shared.weight_bytes
-        else:
-            # Enough for every slot at full length, capped so a laptop is not swamped.
-            wanted = config.max_num_seqs * -(-max_model_len // self.block_size) * per_block
-            budget = min(wanted, CPU_DEFAULT_KV_BYTES)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes: {budget} bytes is less than one KV block "
-                             f"({per_block} bytes)")
-        return int(num_blocks)
-
-    @torch.inference_mode()
-    def _peak_step_bytes(self, max_model_len: int) -> int:
-        """Peak device memory of the largest step (one row of ``max_num_batched_tokens`` tokens, logits for
-        ``max_num_seqs`` rows) run against a throwaway cache just big enough for it."""
-        cfg, bs = self.model_config, self.block_size
-        num_tokens = min(self.config.max_num_batched_tokens, max_model_len)
-        num_blocks = -(-num_tokens // bs)
-        shape = self.backend.kv_cache_shape(num_blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
-        layout = BatchLayout(query_lens=[num_tokens], seq_lens=[num_tokens],
-                             block_tables=torch.arange(num_blocks, device=self.device)[None],
-                             slot_mapping=torch.arange(num_tokens, device=self.device), block_size=bs)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-                            torch.arange(num_tokens, device=self.device), caches, self.backend.prepare(layout))
-        logits = self.model.compute_logits(hidden[:min(num_tokens, self.config.max_num_seqs)]).float()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del caches, hidden, logits
-        torch.cuda.empty_cache()
-        return int(peak)
 
     def _measure_swap_rate(self) -> float:
         """Bytes per second of one block copy out to the host and back (what choosing swap over recompute weighs)."""
@@ -332,7 +223,7 @@ class ModelRunner:
                     sampled[row] = token_id
                     logprobs[row] = lp
         if batch.prompt_rows:
-            output.prompt_outputs = self._prompt_outputs(hidden, batch.input_token_ids, batch.query_lens,
+            output.prompt_outputs = prompt_outputs(self.model, hidden, batch.input_token_ids, batch.query_lens,
                                                          batch.prompt_rows)
         if cuda:
             step.ready = recorded_event()
@@ -422,60 +313,8 @@ class ModelRunner:
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in query_lens])).to(self.device)
         hidden = self.model(input_ids, positions, None, DensePrefillMetadata(query_lens))
-        outputs = self._prompt_outputs(hidden, flat, query_lens, dict(enumerate(batch.rows)))
+        outputs = prompt_outputs(self.model, hidden, flat, query_lens, dict(enumerate(batch.rows)))
         return [outputs[row] for row in range(len(query_lens))]
-
-    def _prompt_outputs(self, hidden: torch.Tensor, input_token_ids: list[int], query_lens: list[int],
-                        rows: dict[int, PromptRow]) -> dict[int, PromptOutput]:
-        """Prompt logprobs and pooled hidden states of the rows asking for them; ``hidden`` [num_tokens, hidden]."""
-        starts = np.cumsum([0, *query_lens[:-1]]).tolist()
-        pooled: dict[int, torch.Tensor] = {}
-        positions: list[int] = []  # flat token index of each position that predicts a prompt token
-        targets: list[int] = []  # the token it predicts
-        counts: dict[int, int] = {}
-        for row, work in rows.items():
-            start, end = starts[row], starts[row] + query_lens[row]
-            if work.pool:
-                pooled[row] = self.model.final_hidden(hidden[start:end]).float().sum(dim=0).cpu()
-            if work.num_top_logprobs is not None:
-                row_targets = input_token_ids[start + 1:end]
-                if work.next_token_id is not None:
-                    row_targets = [*row_targets, work.next_token_id]
-                positions.extend(range(start, start + len(row_targets)))
-                targets.extend(row_targets)
-                counts[row] = len(row_targets)
-        logprobs = self._token_logprobs(hidden, positions, targets,
-                                        max((w.num_top_logprobs or 0 for w in rows.values()), default=0))
-        out, taken = {}, 0
-        for row, work in rows.items():
-            row_logprobs = None
-            if row in counts:
-                row_logprobs = [(chosen, top[:work.num_top_logprobs])
-                                for chosen, top in logprobs[taken:taken + counts[row]]]
-                taken += counts[row]
-            out[row] = PromptOutput(row_logprobs, pooled.get(row))
-        return out
-
-    def _token_logprobs(self, hidden: torch.Tensor, positions: list[int], targets: list[int],
-                        num_top: int) -> list[TokenLogprobs]:
-        """For each position: (target, its logprob, its rank) and the ``num_top`` best (token, logprob), computed
-        in chunks of rows so that [rows, vocab] logits stay within ``PROMPT_LOGITS_CHUNK_BYTES``."""
-        chunk = max(1, PROMPT_LOGITS_CHUNK_BYTES // (4 * self.model_config.vocab_size))
-        result: list[TokenLogprobs] = []
-        for first in range(0, len(positions), chunk):
-            index = torch.tensor(positions[first:first + chunk], device=self.device)
-            wanted = torch.tensor(targets[first:first + chunk], device=self.device)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]), dim=-1)  # [rows, vocab]
-            chosen = logprobs.gather(1, wanted[:, None])  # [rows, 1]
-            ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-            if num_top:
-                top_values, top_ids = logprobs.topk(num_top, dim=-1)
-                tops = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
-            else:
-                tops = [[] for _ in ranks]
-            for token_id, value, rank, top in zip(wanted.tolist(), chosen[:, 0].tolist(), ranks, tops):
-                result.append(((token_id, value, rank), top))
-        return result
 
     def _prepare(self, batch: SchedulerOutput) -> StepArrays:
         bs = self.block_size
@@ -487,13 +326,9 @@ class ModelRunner:
         # position of each token = its row's start + its offset inside the row
         positions = starts[row_of_token] + np.arange(token_ends[-1]) - (token_ends - query_lens)[row_of_token]
 
-        # Ragged block tables into one zero-padded array without a Python loop over rows. The rows are the KV
-        # manager's own lists, which the host thread grows for the next step while this one is prepared on the
-        # device thread (async scheduling). They are copied once, so both reads below see the same tables (a row
-        # that grew between two reads of the live lists would shift every later row's blocks). A row may still
-        # grow during the copy (a garbage collection inside it can let the host thread run), but tables only ever
-        # grow: each copy is a prefix of its table that holds every block this step's positions need.
-        block_tables = list(map(list.copy, batch.block_tables))
+        # Ragged block tables into one zero-padded array without a Python loop over rows (the batch's tables are
+        # copies the scheduler made: the KV manager's own lists grow for the next step while this one is prepared).
+        block_tables = batch.block_tables
         lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=batch.num_rows)
         flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum()))
         tables = np.zeros((batch.num_rows, int(lengths.max())), dtype=np.int64)

@@ -1,7 +1,7 @@
 """The front end of the engine's outputs: token ids become text and ``RequestOutput``s.
 
 The engine's core (``LLMEngine.core_step``) reports, after each step, what each sequence got: its new token ids,
-its end, the raw logprobs (``CoreRecord``). This class does the rest: incremental detokenization, stop strings,
+its end, the raw logprobs (``core_messages.SequenceUpdate``, or one ``PlainStep`` for a plain decode step). This class does the rest: incremental detokenization, stop strings,
 the logprobs' token texts, and the outputs' shape (``output_kind``). It runs wherever the caller is: inside
 ``LLMEngine.step`` right after the core's step, or in a server's process (``AsyncLLMEngine``) while the core, in a
 process of its own, already runs the next step. So the engine's loop never detokenizes (vLLM V1 splits its engine
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from inflight.engine.core_messages import CoreMetrics, PlainStep, Record
 from inflight.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from inflight.engine.request import Request
 from inflight.engine.tokenizer import Tokenizer
@@ -23,15 +24,6 @@ from inflight.engine.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from inflight.engine.sampler import TokenLogprobs
 
-# What the core reports for one sequence after a step, in this order (plain builtins: it crosses processes):
-# (request_id, new_token_ids, finish_reason, stop_reason, raw logprobs of the new tokens or None,
-#  raw prompt_logprobs (in the sequence's first record) or None, embedding (in its last) or None,
-#  metrics (RequestMetrics' fields after arrival_time, in the first and last record of a request's first
-#  sequence) or None). A request with ``reports_at_end`` (final-only, no stop strings) has one record, at its end.
-# Or, for the step of a persistent batch in which each row got one token and nothing else (LLMEngine's
-# ``_plain_step``), one record for all its rows: (sequence ids, their new token ids), one token each. That is one
-# object to build, pickle and read per step instead of one per row.
-CoreRecord = tuple
 
 
 class _Request:
@@ -108,7 +100,7 @@ class OutputProcessor:
             for sequence in parent.sequences:
                 self._sequences.pop(sequence.request_id, None)
 
-    def process(self, records: list[CoreRecord], now: float = 0.0,
+    def process(self, records: list[Record], now: float = 0.0,
                 outputs_per_s: float | None = None) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """The outputs of a core step's records, and the sequences a stop string ended here while the core has
         them running: (request id, stop string), for ``LLMEngine.finish_stopped``.
@@ -127,30 +119,32 @@ class OutputProcessor:
         stopped: list[tuple[str, str]] = []
         sequences = self._sequences
         for record in records:
-            if len(record) == 2:  # a plain step's rows: one new token each, nothing else
-                self._add_plain(record[0], record[1], touched, stopped)
+            if record.__class__ is PlainStep:  # a plain step's rows: one new token each, nothing else
+                self._add_plain(record.request_ids, record.token_ids, touched, stopped)
                 continue
-            sequence = sequences.get(record[0])
+            request_id = record.request_id
+            sequence = sequences.get(request_id)
             if sequence is None or sequence.finish_reason is not None:
                 continue  # a stop string ended it here: the core's later work on it is not shown
             parent = sequence.parent
-            if record[2] is None and record[4] is None and record[7] is None:  # new tokens, nothing else
+            finish_reason, logprobs, metrics = record.finish_reason, record.logprobs, record.metrics
+            if finish_reason is None and logprobs is None and metrics is None:  # new tokens, nothing else
                 touched[parent] = None
-                if self._add_tokens(sequence, record[1], None):
-                    stopped.append((record[0], sequence.stop_reason))
+                if self._add_tokens(sequence, record.new_token_ids, None):
+                    stopped.append((request_id, sequence.stop_reason))
                 continue
-            request_id, token_ids, finish_reason, stop_reason, logprobs, prompt_logprobs, embedding, metrics = record
             if metrics is not None:
-                m = parent.metrics
-                m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions, m.predicted_ttft_s = metrics
-            if prompt_logprobs is not None and sequence.index == 0:
-                parent.prompt_logprobs = [self._logprob_entry(lp) if lp is not None else None for lp in prompt_logprobs]
-            if embedding is not None:
-                parent.embedding = embedding
+                _copy_metrics(metrics, parent.metrics)
+            if record.prompt_logprobs is not None and sequence.index == 0:
+                parent.prompt_logprobs = [self._logprob_entry(lp) if lp is not None else None
+                                          for lp in record.prompt_logprobs]
+            if record.embedding is not None:
+                parent.embedding = record.embedding
+            token_ids = record.new_token_ids
             if token_ids and self._add_tokens(sequence, token_ids, logprobs) and finish_reason is None:
                 stopped.append((request_id, sequence.stop_reason))
             if finish_reason is not None and sequence.finish_reason is None:
-                sequence.finish_reason, sequence.stop_reason = finish_reason, stop_reason
+                sequence.finish_reason, sequence.stop_reason = finish_reason, record.stop_reason
             touched[parent] = None
         interval = len(touched) / outputs_per_s if outputs_per_s else 0.0
         outputs = []
@@ -267,6 +261,12 @@ class OutputProcessor:
         if finished and parent.embedding is not None:
             output.embedding = parent.embedding
         return output
+
+
+def _copy_metrics(metrics: CoreMetrics, into: RequestMetrics) -> None:
+    into.first_scheduled_time, into.first_token_time = metrics.first_scheduled_time, metrics.first_token_time
+    into.finished_time, into.num_preemptions = metrics.finished_time, metrics.num_preemptions
+    into.predicted_ttft_s = metrics.predicted_ttft_s
 
 
 def _shows_something(output: RequestOutput) -> bool:

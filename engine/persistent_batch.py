@@ -121,7 +121,7 @@ class PersistentBatch:
         ends = computed.tolist()
         out = SchedulerOutput(
             request_ids=list(request_ids), input_token_ids=inputs, query_lens=[1] * count,
-            start_positions=starts, block_tables=list(self.tables), sample=[True] * count,
+            start_positions=starts, block_tables=list(map(list.copy, self.tables)), sample=[True] * count,
             padding=[False] * count, placeholder_rows=placeholder_rows)
         self.num_pending = num_pending = num_pending + 1
         consume(map(setattr, self.rows, repeat("num_computed_tokens"), ends))
@@ -165,3 +165,62 @@ class PersistentBatch:
         if scheduled_here:
             return self._filling.popleft()
         return list(compress(range(len(ends)), map(not_, map(mod, ends, repeat(self.block_size)))))
+
+
+class KeptDecodeBatch:
+    """When a step may come from a ``PersistentBatch`` instead of the scheduler's general path, and that batch.
+
+    The general path notes each batch it schedules (``note_general_step``): one of single-token decodes that sample,
+    over the whole running set, may be kept. While the running set stays the same (the scheduler counts its
+    changes), the scheduler's next steps come from it, as long as nothing else asks the general path for a look
+    (``Scheduler._schedule_kept``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._rows: list[Request] | None = None  # the latest general batch's rows, if it may be kept
+        self._rows_at = -1  # the running set's change count when they were noted
+        self.batch: PersistentBatch | None = None  # dropped whenever the running set or its rows change
+        self.num_steps = 0  # steps scheduled from a persistent batch
+        self.last_update_kept = False  # the latest update ran in the persistent batch, and no row ended
+
+    def note_general_step(self, requests: list[Request], out: SchedulerOutput, num_running: int,
+                          running_changes: int) -> None:
+        decodes_all = (self.enabled and requests and len(requests) == num_running
+                       and len(out.input_token_ids) == len(requests) and all(out.sample) and not out.spec_token_ids
+                       and not out.prompt_rows)
+        self._rows, self._rows_at = (requests if decodes_all else None), running_changes
+
+    def rows_if_unchanged(self, running_changes: int) -> list[Request] | None:
+        """The kept rows, if the running set is still the one they were noted over."""
+        return self._rows if self._rows_at == running_changes else None
+
+    def schedule(self, kv: KVCacheManager) -> tuple[SchedulerOutput, list[int], PersistentBatch] | None:
+        """The next step from the batch of the kept rows (built now if it was dropped), or None: the general path
+        decides this step, and the rows are no longer kept."""
+        batch = self.batch
+        if batch is None:
+            batch = self.batch = PersistentBatch(self._rows, kv)
+        scheduled = batch.schedule(kv)
+        if scheduled is None:
+            self.batch = self._rows = None
+            return None
+        self.num_steps += 1
+        return scheduled[0], scheduled[1], batch
+
+    def applies_to(self, scheduled_by: PersistentBatch | None, requests: list[Request],
+                   token_ids: list[int | None]) -> bool:
+        """Whether a step's results apply in the current batch: the step came from a persistent batch of these very
+        rows (this one, or one rebuilt from the same rows after a general step: it mirrors the requests either way),
+        and every row sampled."""
+        batch = self.batch
+        return (scheduled_by is not None and batch is not None and batch.rows is requests
+                and None not in token_ids)
+
+    def apply(self, ends: list[int], token_ids: list[int], scheduled_here: bool) -> tuple[list[Request], list[int]]:
+        """Apply a step's tokens in the batch (each row got one): the requests that ended, and the rows whose KV
+        filled a block (for the prefix cache)."""
+        batch = self.batch
+        finished = [batch.rows[row] for row in batch.apply(token_ids)]
+        filling = batch.rows_filling_a_block(ends, scheduled_here)  # (taken either way: the batch counts steps)
+        self.last_update_kept = not finished
+        return finished, filling

@@ -15,6 +15,7 @@ from inflight.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from inflight.engine.prompt_outputs import PromptOutput
     from inflight.engine.sampler import TokenLogprobs
 
 _arrival_counter = itertools.count()
@@ -193,6 +194,15 @@ class Request:
         if self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids):
             self.prompt_logprobs = [None]
         self.pooled_sum = None
+
+    def add_prompt_outputs(self, start: int, output: PromptOutput) -> None:
+        """A prompt chunk from position ``start``: its prompt tokens' raw logprobs and its pooled hidden states."""
+        if output.logprobs is not None:
+            assert len(self.prompt_logprobs) == start + 1, "prompt logprobs must arrive chunk after chunk"
+            self.prompt_logprobs.extend(output.logprobs)
+        if output.pooled_sum is not None:
+            pooled = self.pooled_sum
+            self.pooled_sum = output.pooled_sum if pooled is None else pooled + output.pooled_sum
 
     def append_token(self, token_id: int) -> bool:
         """Add a sampled token and apply the token-level stop rules; True if the request ended.

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from inflight.engine.scheduler import Scheduler
 
 
 class PromptRow(NamedTuple):
@@ -32,7 +35,7 @@ class SchedulerOutput:
     input_token_ids: list[int] = field(default_factory=list)  # all rows, flattened
     query_lens: list[int] = field(default_factory=list)
     start_positions: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # copies, as of scheduling: never the live lists
     sample: list[bool] = field(default_factory=list)
     padding: list[bool] = field(default_factory=list)
     # KV copies the runner makes before the forward, outs first: (device block, host block) pairs leaving
@@ -104,3 +107,11 @@ class StepRecord:
     kv_blocks_used: int
     kv_tokens_used: int
     duration_s: float = 0.0
+
+    @classmethod
+    def take(cls, step_index: int, batch: SchedulerOutput, scheduler: Scheduler) -> StepRecord:
+        """The state step ``step_index`` runs in, taken before the runner and ``update`` change it."""
+        running = scheduler.running
+        return cls(step_index, batch, [r.request_id for r in running], {r.request_id: r.parent_id for r in running},
+                   len(scheduler.waiting), scheduler.kv.pool.num_used,
+                   scheduler.kv_stats().num_tokens_used)  # the step's new tokens count as computed

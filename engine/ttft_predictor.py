@@ -35,11 +35,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from inflight.engine.outputs import DeadlineUnmeetableError
-from inflight.engine.scheduler import Rank, fresh_rank
+from inflight.engine.scheduling_policy import Rank, fresh_rank
 
 if TYPE_CHECKING:
     from inflight.engine.config import EngineConfig
     from inflight.engine.request import Request
+    from inflight.engine.scheduler import Scheduler
 
 MIN_OBSERVATIONS = 8  # steps seen before predictions are trusted
 DECODE_DECAY = 0.98  # the decode step is averaged over ~50 decode-only steps
@@ -204,3 +205,45 @@ def check_deadline(requests: list["Request"], view: QueueView | None, now: float
             f"{prediction.seconds:.3f} s with {prediction.num_ahead} requests ({prediction.tokens_ahead} tokens) "
             f"queued ahead", predicted_ttft_s=prediction.seconds, retry_after_s=prediction.seconds - max(0.0, allowed))
     return prediction.seconds
+
+
+class OutputLengths:
+    """The output lengths of finished requests, for what admission expects of running ones."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.count = 0
+
+    def record(self, num_output_tokens: int) -> None:
+        self.total += num_output_tokens
+        self.count += 1
+
+    def expected_remaining(self, request: Request) -> int:
+        """Output tokens a running request will still produce: its max_tokens bound, or, once requests have
+        finished, no more than twice the mean output length seen (a request without max_tokens may run to
+        max_model_len, but few do, and assuming it would refuse requests that would have made it)."""
+        bound = request.max_total_tokens - request.num_tokens
+        if self.count < 5:
+            return bound
+        typical = 2 * self.total / self.count
+        return max(1, min(bound, int(typical) - request.num_output_tokens))
+
+
+def take_queue_view(predictor: TTFTPredictor | None, scheduler: Scheduler, lengths: OutputLengths, now: float,
+                    priority_policy: bool) -> QueueView | None:
+    """The scheduler's queue as admission sees it, or None while the predictor has too few steps to trust. From
+    the thread that runs the scheduler only: it reads its queues."""
+    if predictor is None or not predictor.ready:
+        return None
+    running = scheduler.running
+    remaining = [lengths.expected_remaining(r) for r in running]
+    # How long a newly admitted request holds its slot: the mean output length of the finished requests and the
+    # running ones (their expected length). Finished ones alone are a handful on a cold start: their mean was 30%
+    # off and each round of slots in a deep queue repeated it (slot waits 1.4x too long).
+    num_lengths = lengths.count + len(running)
+    typical = ((lengths.total + sum(remaining) + sum(len(r.output_token_ids) for r in running))
+               // num_lengths if num_lengths else None)
+    # Prompt chunks still to come for running requests take the budget before any waiting request's.
+    prefilling = sum(left for r in running if (left := len(r.all_token_ids) - r.num_computed_tokens) > 1)
+    waiting = ((scheduler.rank(r, now), r.num_tokens - r.num_computed_tokens) for r in scheduler.waiting)
+    return QueueView.take(predictor, now, waiting, prefilling, remaining, typical, priority_policy=priority_policy)

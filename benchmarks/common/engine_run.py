@@ -114,7 +114,7 @@ def run_engine(engine, requests: Sequence[BenchRequest], arrivals_s: Sequence[fl
         raise ValueError("arrivals_s must be sorted")
     records = []
     engine.step_listener = records.append
-    preemptions_before = engine.scheduler.num_preemptions
+    preemptions_before = engine.scheduler.preemption.num_preemptions
     first_token: list[float | None] = [None] * len(requests)
     finished: list[float | None] = [None] * len(requests)
     tokens: list[int] = [0] * len(requests)
@@ -146,7 +146,7 @@ def run_engine(engine, requests: Sequence[BenchRequest], arrivals_s: Sequence[fl
     check_output_lens(tokens, requests)
     return EngineRun(engine_limits(engine), requests, arrivals, first_token, finished,  # type: ignore[arg-type]
                      [step_sample(r) for r in records], records if keep_records else [],
-                     engine.scheduler.num_preemptions - preemptions_before, tokens)
+                     engine.scheduler.preemption.num_preemptions - preemptions_before, tokens)
 
 
 def check_output_lens(tokens: Sequence[int], requests: Sequence[BenchRequest], system: str = "") -> None:

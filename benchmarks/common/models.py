@@ -79,7 +79,7 @@ class BenchModel:
         """``--dtype`` as a concrete name: "auto" resolved as our engine resolves it for this model on this CPU."""
         import torch
 
-        from inflight.engine.model_runner import resolve_dtype
+        from inflight.engine.device import resolve_dtype
 
         if asked != "auto":
             return asked

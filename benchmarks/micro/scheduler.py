@@ -236,8 +236,8 @@ def time_parts(engine, steps: int) -> dict[str, float]:
     device_seconds, engine.stand_in.seconds = engine.stand_in.seconds, 0.0  # host time only: no device time
     wrapped = [(engine, "core_step", "engine loop"), (scheduler, "schedule", "scheduling"),
                (kv, "allocate", "block bookkeeping"), (kv, "free", "block bookkeeping"),
-               (scheduler, "_build_output", "input preparation"), (runner, "execute", "input preparation"),
-               (scheduler, "update", "output processing"), (engine, "_records", "output processing")]
+               (scheduler, "_build_batch", "input preparation"), (runner, "execute", "input preparation"),
+               (scheduler, "update", "output processing"), (engine._records, "of_touched", "output processing")]
     for owner, name, part in wrapped:
         setattr(owner, name, timer.wrap(part, getattr(owner, name)))
     try:
@@ -387,17 +387,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def collect_first(engine) -> None:
     """The device thread's order before launch-ahead (an A/B baseline): each step collected before the next one is
     launched, so the device waits for the launch work of every step."""
+    launcher = engine._launcher
+
     def launch_on_device(batch, sampling, done):
-        engine._collect_on_device()
+        launcher._collect_on_device()
         try:
             step = engine.runner.launch(batch, sampling)
         except BaseException as error:
             done.set_exception(error)
             return
-        engine._uncollected = (step, done)
-        engine._collect_on_device()
+        launcher._uncollected = (step, done)
+        launcher._collect_on_device()
 
-    engine._launch_on_device = launch_on_device
+    launcher._launch_on_device = launch_on_device
 
 
 def time_loop(args, name: str) -> dict[str, Any]:

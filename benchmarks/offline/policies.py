@@ -314,7 +314,7 @@ def bench_predictor(path: str, args) -> dict[str, Any]:
          f"{1e3 * np.median(decode_only):.1f}, {1e3 * np.mean(decode_only):.1f}, "
          f"{1e3 * np.percentile(decode_only, 99):.1f}" if decode_only else "-"],
         ["steps with requests waiting and a slot free (KV or budget bound)", steps["waited_with_free_slot"]],
-        ["preemptions", engine.scheduler.num_preemptions],
+        ["preemptions", engine.scheduler.preemption.num_preemptions],
     ]
     print_table("The prediction taken apart: median (p10-p90) over requests", ["term", "value"], terms)
     result["terms"] = {name: value for name, value in terms}

@@ -21,7 +21,7 @@ copies are laid out to be read in order:
 The plain weight stays the module's parameter (loading, tied embeddings); the two packed copies cost the linear
 weights' memory twice more, which is why this is a CPU pass and not the default elsewhere.
 
-In bfloat16 (where the CPU has bfloat16 instructions, ``engine.model_runner.resolve_dtype``), every row count goes to
+In bfloat16 (where the CPU has bfloat16 instructions, ``engine.device.resolve_dtype``), every row count goes to
 ``cpu_kernels.linear_pairs`` where the kernels' build has AVX-512 BF16 (a weight packed in pairs of inputs, one
 vdpbf16ps per pair; no oneDNN copy, no padding), else to oneDNN's packed bf16 matmul. One path for every batch
 size keeps a row's bits independent of its batch, as float32 does: with the kernel for decode-sized batches and

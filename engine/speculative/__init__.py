@@ -7,6 +7,6 @@ decode row; rejected ones are rolled back by the computed-token count).
 """
 
 from inflight.engine.speculative.config import SpeculativeConfig
-from inflight.engine.speculative.speculator import Speculator
+from inflight.engine.speculative.speculator import Speculator, draft_budget, make_speculator
 
-__all__ = ["SpeculativeConfig", "Speculator"]
+__all__ = ["SpeculativeConfig", "Speculator", "draft_budget", "make_speculator"]

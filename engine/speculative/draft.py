@@ -95,7 +95,7 @@ class DraftProposer(Proposer):
 
     def _run(self, batch: SchedulerOutput, requests: list["Request"], rows: list[int]) -> list[int]:
         tables = self.kv.block_tables
-        batch.block_tables = [tables[requests[i].request_id] for i in rows]
+        batch.block_tables = [tables[requests[i].request_id].copy() for i in rows]
         batch.sample = [True] * len(rows)
         batch.padding = [False] * len(rows)
         sampling = SamplingBatch([_GREEDY] * len(rows), [0] * len(rows), frozenset())

@@ -27,6 +27,8 @@ from inflight.engine.speculative.config import SpeculativeConfig
 from inflight.engine.speculative.proposers import Proposer, make_proposer
 
 if TYPE_CHECKING:
+    from inflight.engine.config import EngineConfig
+    from inflight.engine.kv_budget import SharedBudget
     from inflight.engine.request import Request
 
 EXPLORE_EVERY = 16  # steps: one plain step, and one probe of the rows left out, per this many
@@ -191,3 +193,32 @@ def _worthwhile(alpha: float, theta: float, k: int) -> int:
             break
         n += 1
     return n
+
+
+def draft_budget(config: EngineConfig) -> SharedBudget | None:
+    """A draft model's share of the KV budget (its weights, and KV for as many tokens as the target's)."""
+    from inflight.engine.device import resolve_device, resolve_dtype
+    from inflight.engine.kv_budget import SharedBudget
+    from inflight.engine.models.source import read_model_source
+
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft":
+        return None
+    draft = read_model_source(spec.draft_model).config
+    itemsize = resolve_dtype(config.dtype, draft.torch_dtype, resolve_device(config.device)).itemsize
+    return SharedBudget(draft.num_parameters * itemsize, draft.kv_bytes_per_token(itemsize))
+
+
+def make_speculator(config: EngineConfig, max_model_len: int, vocab_size: int, num_kv_blocks: int,
+                    eos_token_ids: frozenset[int]) -> Speculator | None:
+    """The engine's speculator, if ``speculative_config`` asks for one; a draft model's KV cache holds as many tokens
+    as the target's."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    draft = None
+    if spec.method == "draft":
+        from inflight.engine.speculative.draft import DraftProposer
+
+        draft = DraftProposer(spec.draft_model, config, max_model_len, vocab_size, num_kv_blocks)
+    return Speculator(spec, eos_token_ids, draft)

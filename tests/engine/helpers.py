@@ -172,10 +172,10 @@ def hand_clock(monkeypatch) -> HandClock:
     """The engine's wall clock, moved by the test: a request's arrival, the scheduler's deadlines and aging, the
     queue views admission predicts from and its ``now`` (and the async engine's pacing clock). How long the
     machine really takes between two steps, or between a view and a request, then decides nothing."""
-    from inflight.engine import async_engine, llm_engine, request, scheduler
+    from inflight.engine import async_engine, batch_builder, llm_engine, request, scheduler, scheduler_state
 
     clock = HandClock(_time.time())
-    for module in (request, scheduler, llm_engine, async_engine):
+    for module in (request, scheduler, scheduler_state, batch_builder, llm_engine, async_engine):
         monkeypatch.setattr(module, "time", clock)
     return clock
 
@@ -190,7 +190,8 @@ class LockstepEngine(AsyncLLMEngine):
     on) finds several steps' outputs queued and gets them merged into one (``AsyncLLMEngine._stream``), so how many
     outputs a stream gets, and which of them first carries text, depend on timing. Here a stream gets exactly the
     outputs the front end made: one per step that gave it something, fewer where pacing held some back. The thread
-    that reports waits for the consumers (at most ``wait_s``: a stream nobody reads must not hang the engine)."""
+    that reports waits for the consumers before the next step (at most ``wait_s``: a stream nobody reads must not
+    hang the engine), so the outputs are made at the time of the step that made them."""
 
     wait_s = 30.0
 
@@ -200,10 +201,14 @@ class LockstepEngine(AsyncLLMEngine):
         super().__init__(*args, **kwargs)
 
     def _on_report(self, report) -> None:  # on the thread that reports (the step thread, or the process's reader)
-        if report.records:
-            self._taken.wait(self.wait_s)
-            self._taken.clear()
+        if not report.records:
+            super()._on_report(report)
+            return
+        # Handed over, then waited for: the next step (and anything it does to a test's clock) comes only after the
+        # event loop has delivered these outputs and their streams have taken them.
+        self._taken.clear()
         super()._on_report(report)
+        self._taken.wait(self.wait_s)
 
     def _deliver(self, records) -> None:  # on the event loop
         super()._deliver(records)

@@ -16,7 +16,7 @@ import collections
 import pytest
 
 from inflight.engine import PoolingParams, SamplingParams
-from tests.engine.helpers import launch_ahead, make_engine, random_prompts
+from tests.engine.helpers import greedy, launch_ahead, make_engine, random_prompts
 
 PREFIX = random_prompts(1, 24, 24, seed=5)[0]
 PROMPTS = [PREFIX + p for p in random_prompts(6, 3, 10, seed=6)] + random_prompts(6, 8, 30, seed=7)
@@ -176,26 +176,25 @@ def test_static_batching_refuses_async_scheduling():
         make_engine(batching="static", async_scheduling=True)
 
 
-def test_a_table_that_grows_while_its_step_is_prepared_moves_no_other_row():
+def test_a_scheduled_batch_keeps_its_block_tables_while_the_next_step_grows_them():
     """With async scheduling the runner prepares step N+1 on the device thread while the host thread schedules
-    N+2, which grows the same block-table lists. The runner reads each table once: a row whose table grows
-    between its reads (simulated by a table that grows just after its length is read) must not shift the blocks of
-    the rows after it, which would send their KV writes and reads to other requests' blocks."""
-    from inflight.engine.scheduler_output import SchedulerOutput
-
-    class GrowsWhenMeasured(list):
-        def __len__(self):
-            n = super().__len__()
-            if n == 2:
-                self.append(9)  # the next step's allocation, landing just after the length was read
-            return n
-
-    engine = make_engine()
-    block_size = engine.runner.block_size
-    batch = SchedulerOutput(request_ids=["a", "b", "c"], input_token_ids=[5, 6, 7], query_lens=[1, 1, 1],
-                            start_positions=[block_size + 1, block_size, 0],
-                            block_tables=[GrowsWhenMeasured([3, 4]), [5, 6], [7]],
-                            sample=[True, True, True], padding=[False, False, False])
-    arrays = engine.runner._prepare(batch)
-    assert [row[:n].tolist() for row, n in zip(arrays.tables, (2, 2, 1))] == [[3, 4], [5, 6], [7]]
-    assert arrays.slots.tolist() == [4 * block_size + 1, 6 * block_size, 7 * block_size]
+    N+2, which grows the KV manager's block tables. The batch the runner reads holds copies taken when it was
+    scheduled, from the general path and from the persistent batch alike: growing the live tables (and freeing
+    them) after ``schedule`` changes nothing in it, so no row's KV writes or reads can move."""
+    engine = make_engine(async_scheduling=False)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(str(i), prompt, greedy(40))
+    scheduler, seen_persistent = engine.scheduler, False
+    for _ in range(30):
+        batch = scheduler.schedule()
+        seen_persistent |= scheduler.scheduled_by_persistent_batch() is not None
+        before = [list(table) for table in batch.block_tables]
+        for request_id, table in zip(batch.request_ids, batch.block_tables):
+            live = scheduler.kv.block_tables[request_id]
+            assert table is not live and table == live
+            live.append(10_000)  # what an allocation for the next step would do, in place
+        assert batch.block_tables == before
+        for request_id in batch.request_ids:
+            scheduler.kv.block_tables[request_id].pop()
+        scheduler.update([7 if sample else None for sample in batch.sample])
+    assert seen_persistent  # both paths were exercised

@@ -122,7 +122,7 @@ def drive_scheduler(batching: str, seed: int, num_kv_blocks: int, max_num_seqs: 
     block_size = 4
     scheduler = make_scheduler(num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, batching=batching, **config)
-    scheduler.set_swap_space(swap_blocks)
+    scheduler.preemption.set_swap_space(swap_blocks)
     capacity = num_kv_blocks * block_size
     all_requests = []
     to_stop: set[str] = set()
@@ -179,8 +179,8 @@ def drive_scheduler(batching: str, seed: int, num_kv_blocks: int, max_num_seqs: 
 
     assert all(r.is_finished for r in all_requests)
     assert scheduler.kv.pool.num_used == 0 and not scheduler.kv.block_tables
-    if scheduler.swap_pool is not None:  # every host block came back
-        assert scheduler.swap_pool.num_free == scheduler.swap_pool.num_blocks
+    if scheduler.preemption.swap_pool is not None:  # every host block came back
+        assert scheduler.preemption.swap_pool.num_free == scheduler.preemption.swap_pool.num_blocks
     for r in all_requests:
         assert r.finish_reason in ("stop", "length", "abort")
         if r.finish_reason == "length":
@@ -225,21 +225,21 @@ def test_policies_and_admission_modes_keep_the_books(seed, num_kv_blocks, max_nu
                                    scheduling_policy=policy, admission_mode=mode, max_queue_wait_s=max_queue_wait_s,
                                    preemption_mode=preemption, swap_space_bytes=swap_blocks + 1)  # bytes: any > 0
     if mode == "guaranteed_no_evict":
-        assert scheduler.num_preemptions == 0
+        assert scheduler.preemption.num_preemptions == 0
 
 
 def test_random_traffic_covers_swapping():
     """The swap path is reached too: KV goes out to host blocks and comes back."""
     scheduler, _ = drive_scheduler("continuous", seed=5, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=12,
                                    num_requests=12, swap_blocks=30, preemption_mode="swap", swap_space_bytes=1)
-    assert scheduler.num_swapped_out_blocks > 0 and scheduler.num_swapped_in_blocks > 0
+    assert scheduler.preemption.num_swapped_out_blocks > 0 and scheduler.preemption.num_swapped_in_blocks > 0
 
 
 def test_random_traffic_covers_preemption_and_aborts():
     """The random driver really reaches the hard paths (else the properties above prove little)."""
     scheduler, requests = drive_scheduler("continuous", seed=5, num_kv_blocks=12, max_num_seqs=4,
                                           max_num_batched_tokens=12, num_requests=12)
-    assert scheduler.num_preemptions > 0
+    assert scheduler.preemption.num_preemptions > 0
     assert scheduler.num_prefix_hit_tokens > 0  # shared prompt prefixes were taken from the cache
     reasons = {r.finish_reason for r in requests}
     assert {"abort", "length", "stop"} <= reasons

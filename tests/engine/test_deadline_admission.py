@@ -142,7 +142,7 @@ def test_remaining_work_of_requests_without_max_tokens_is_estimated_from_finishe
     engine.step()
     (request,) = engine.scheduler.running
     assert request.max_total_tokens - request.num_tokens > 500  # its own bound: max_model_len
-    assert engine._expected_remaining(request) == 2 * 6 - request.num_output_tokens
+    assert engine._output_lengths.expected_remaining(request) == 2 * 6 - request.num_output_tokens
 
 
 DECODE_S, PER_TOKEN_S = 0.003, 1e-4

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from inflight.engine import model_runner
-from inflight.engine.model_runner import resolve_dtype
+from inflight.engine import device
+from inflight.engine.device import resolve_dtype
 from inflight.kernels import cpu_kernels
 from tests.engine.helpers import make_engine
 
@@ -47,18 +47,17 @@ def test_the_hardware_is_read_from_the_cpus_flags(monkeypatch):
 def test_the_reason_names_what_decided(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: "avx512_bf16")
     monkeypatch.setattr(cpu_kernels, "bf16_dot_products", lambda: True)
-    dtype, why = model_runner._resolve_dtype("auto", "bfloat16", CPU)
+    dtype, why = device.choose_dtype("auto", "bfloat16", CPU)
     assert dtype == torch.bfloat16 and "avx512_bf16" in why and "bfloat16 checkpoint" in why
     monkeypatch.setattr(cpu_kernels, "bf16_dot_products", lambda: False)
-    assert "built without" in model_runner._resolve_dtype("auto", "bfloat16", CPU)[1]
+    assert "built without" in device.choose_dtype("auto", "bfloat16", CPU)[1]
     monkeypatch.setattr(cpu_kernels, "bf16_hardware", lambda: None)
-    assert model_runner._resolve_dtype("auto", "bfloat16", CPU) == (torch.float32,
-                                                                   "auto: this CPU has no bfloat16 units")
-    assert "float32 dtype" in model_runner._resolve_dtype("auto", "float32", CPU)[1]
+    assert device.choose_dtype("auto", "bfloat16", CPU) == (torch.float32, "auto: this CPU has no bfloat16 units")
+    assert "float32 dtype" in device.choose_dtype("auto", "float32", CPU)[1]
 
 
 def test_the_engine_logs_its_dtype_and_why(caplog):
-    with caplog.at_level(logging.INFO, logger=model_runner.__name__):
+    with caplog.at_level(logging.INFO, logger="inflight.engine.model_runner"):
         engine = make_engine(dtype="auto")
     assert engine.runner.dtype == torch.float32
     assert "running in float32 (auto" in caplog.text

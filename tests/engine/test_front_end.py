@@ -11,6 +11,7 @@ import asyncio
 import time
 
 from inflight.engine import AsyncLLMEngine
+from inflight.engine.core_messages import SequenceUpdate
 from tests.engine.helpers import ENGINE_DEFAULTS, greedy, make_engine, random_prompts, run_engine
 
 PROMPTS = random_prompts(4, 6, 20, seed=21)
@@ -111,18 +112,20 @@ def test_the_core_reports_a_final_only_request_once_unless_a_stop_string_may_end
     engine.add_request("quiet", PROMPTS[0], greedy(9, output_kind="final_only"))
     engine.add_request("stops", PROMPTS[1], greedy(9, output_kind="final_only", stop=["\x00never"]))
     engine.add_request("delta", PROMPTS[2], greedy(9, output_kind="delta", logprobs=1, prompt_logprobs=1))
-    records: dict[str, list[tuple]] = {"quiet": [], "stops": [], "delta": []}
+    records: dict[str, list[SequenceUpdate]] = {"quiet": [], "stops": [], "delta": []}
     parent_of = {child.request_id: parent for parent, children in engine._children.items() for child in children}
     for _ in range(200):
         if not engine.has_unfinished_requests():
             break
         for record in engine.core_step():  # records name sequences (a request's n children), not requests
-            records[parent_of[record[0]]].append(record)
-    assert len(records["quiet"]) == 1 and len(records["quiet"][0][1]) == 9 and records["quiet"][0][2] == "length"
-    assert len(records["stops"]) == 9 and all(len(r[1]) == 1 for r in records["stops"])
+            assert isinstance(record, SequenceUpdate)  # (no plain steps: each request here has something else)
+            records[parent_of[record.request_id]].append(record)
+    quiet = records["quiet"]
+    assert len(quiet) == 1 and len(quiet[0].new_token_ids) == 9 and quiet[0].finish_reason == "length"
+    assert len(records["stops"]) == 9 and all(len(r.new_token_ids) == 1 for r in records["stops"])
     first, *rest = records["delta"]
-    assert len(first[5]) == len(PROMPTS[2]) and first[5][0] is None  # the prompt's raw logprobs, position 0 none
-    assert first[7] is not None and rest[-1][7] is not None  # metrics in the first and last record
-    assert all(r[5] is None for r in rest) and all(r[7] is None for r in rest[:-1])
-    assert [len(r[4]) for r in records["delta"]] == [1] * 9  # one raw logprob entry per new token
+    assert len(first.prompt_logprobs) == len(PROMPTS[2]) and first.prompt_logprobs[0] is None  # position 0: none
+    assert first.metrics is not None and rest[-1].metrics is not None  # metrics in the first and last record
+    assert all(r.prompt_logprobs is None for r in rest) and all(r.metrics is None for r in rest[:-1])
+    assert [len(r.logprobs) for r in records["delta"]] == [1] * 9  # one raw logprob entry per new token
     assert engine.num_finished_requests == 3 and not engine.has_unfinished_requests()

@@ -76,7 +76,7 @@ def test_penalty_state_survives_preemption(checkpoint):
     roomy = generate_ids(make_engine(path), prompts, params)
     tight = make_engine(path, num_kv_blocks=40, max_num_seqs=6, preemption_mode="recompute")
     assert generate_ids(tight, prompts, params) == roomy
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.scheduler.preemption.num_preemptions > 0
 
 
 @pytest.mark.parametrize("kwargs,name", [

@@ -65,8 +65,8 @@ def engine_for(async_scheduling: bool, persistent: bool, **overrides):
 def test_persistent_batch_is_a_checked_engine_argument_and_static_batching_has_none():
     with pytest.raises(ValueError, match="persistent_batch"):
         make_engine(persistent_batch="yes")
-    assert not make_engine(batching="static").scheduler.use_persistent_batch
-    assert make_engine().scheduler.use_persistent_batch
+    assert not make_engine(batching="static").scheduler.kept.enabled
+    assert make_engine().scheduler.kept.enabled
 
 
 def assert_same_results(requests, got_seen, got_final, want_seen, want_final) -> None:
@@ -105,9 +105,9 @@ def test_decode_steps_from_the_persistent_batch_give_the_general_paths_results(d
     assert kept_final["abort"].outputs[0].finish_reason == "abort"
     # each change of the running set costs general steps (a prefill, the first decode over the new set; with async
     # scheduling also the step that skips a row whose last token is in flight): ten requests over six slots churn
-    assert kept.scheduler.num_persistent_steps > kept.num_steps / 4, (kept.scheduler.num_persistent_steps,
+    assert kept.scheduler.kept.num_steps > kept.num_steps / 4, (kept.scheduler.kept.num_steps,
                                                                       kept.num_steps)
-    assert general.scheduler.num_persistent_steps == 0
+    assert general.scheduler.kept.num_steps == 0
     kept_stats, stats = kept.stats(), general.stats()
     # "again-1" arrives after "plain-1" decoded 24 tokens: both paths hashed the blocks decode steps filled
     assert kept_stats["prefix_cache_hit_tokens"] == stats["prefix_cache_hit_tokens"] >= len(decoded_prefix) - 4
@@ -128,7 +128,7 @@ def test_the_mixed_workload_gives_the_same_results_with_the_persistent_batch(sto
         runs[persistent] = (engine, *drive(engine, requests)[:2])
     (kept, kept_seen, kept_final), (_, seen, final) = runs[True], runs[False]
     assert_same_results(requests, kept_seen, kept_final, seen, final)
-    assert kept.scheduler.num_persistent_steps > 0
+    assert kept.scheduler.kept.num_steps > 0
     assert kept.stats()["num_preemptions"] > 0 and kept.stats()["kv_blocks_used"] == 0
 
 
@@ -147,7 +147,7 @@ def test_a_row_whose_next_block_cannot_be_had_goes_to_the_general_path_which_pre
         while engine.has_unfinished_requests():
             for out in engine.step():
                 outputs[out.request_id] = out.outputs[0].token_ids
-        results[persistent] = (outputs, engine.stats()["num_preemptions"], engine.scheduler.num_persistent_steps)
+        results[persistent] = (outputs, engine.stats()["num_preemptions"], engine.scheduler.kept.num_steps)
     (kept, kept_preemptions, kept_steps), (general, preemptions, _) = results[True], results[False]
     assert kept == general and kept_preemptions == preemptions > 0 and kept_steps > 0
 
@@ -175,7 +175,7 @@ def test_a_stop_token_ends_a_row_of_the_persistent_batch_unless_min_tokens_holds
         while engine.has_unfinished_requests():
             for out in engine.step():
                 final[out.request_id] = out.outputs[0]
-        assert (engine.scheduler.num_persistent_steps > 0) == persistent
+        assert (engine.scheduler.kept.num_steps > 0) == persistent
     final = finals[True]
     assert {k: (v.token_ids, v.finish_reason, v.stop_reason) for k, v in final.items()} == {
         k: (v.token_ids, v.finish_reason, v.stop_reason) for k, v in finals[False].items()}
@@ -198,7 +198,7 @@ def test_the_persistent_batch_hashes_each_block_a_decode_step_fills_into_the_pre
         for request in engine.scheduler.running:
             assert kv.num_hashed_blocks(request.request_id) == request.num_computed_tokens // block_size
             checked += 1
-    assert checked > 60 and engine.scheduler.num_persistent_steps > 20
+    assert checked > 60 and engine.scheduler.kept.num_steps > 20
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -210,7 +210,7 @@ def test_what_the_batch_keeps_per_step_in_flight_does_not_grow_without_prefix_ca
     longest = 0
     while engine.has_unfinished_requests():
         engine.step()
-        batch = engine.scheduler._persistent
+        batch = engine.scheduler.kept.batch
         if batch is not None:
             longest = max(longest, len(batch._filling))
-    assert engine.scheduler.num_persistent_steps > 20 and longest <= (2 if async_scheduling else 1)
+    assert engine.scheduler.kept.num_steps > 20 and longest <= (2 if async_scheduling else 1)

@@ -98,7 +98,7 @@ def test_prompt_logprobs_survive_preemption_by_recomputation(checkpoint):
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(8, prompt_logprobs=2))
     outputs = run_engine(engine)
-    assert engine.scheduler.num_preemptions > 0, "no preemption: shrink num_kv_blocks"
+    assert engine.scheduler.preemption.num_preemptions > 0, "no preemption: shrink num_kv_blocks"
     for i, prompt in enumerate(prompts):
         assert_prompt_logprobs_match_hf(path, prompt, outputs[str(i)].prompt_logprobs, num_top=2)
     check_kv(engine)

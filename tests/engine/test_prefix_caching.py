@@ -66,7 +66,7 @@ def test_caching_is_correct_under_preemption_and_chunking(checkpoint):
     args = dict(block_size=4, num_kv_blocks=26, max_num_seqs=4, max_num_batched_tokens=12)
     cached, engine, _ = run(path, prompts, max_tokens, **args)
     uncached, _, _ = run(path, prompts, max_tokens, enable_prefix_caching=False, **args)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.preemption.num_preemptions > 0
     assert engine.stats()["prefix_cache_hit_tokens"] > 0
     assert cached == uncached
     for prompt, n, tokens in zip(prompts, max_tokens, cached):

@@ -44,7 +44,7 @@ def test_seeded_request_is_independent_of_its_batch():
     # Few slots, small chunks and a tight KV pool: the seeded request is queued, chunked and preempted.
     engine = make_engine(max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=16)
     together = generate_ids(engine, prompts, params)[2]
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.preemption.num_preemptions > 0
     assert together == alone
 
     wide = generate_ids(make_engine(max_num_seqs=8), prompts, params)[2]

@@ -78,7 +78,7 @@ def test_preemption_evicts_newest_running_request():
     assert list(scheduler.waiting) == [b, late], "the preempted request goes to the front of the queue"
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
     assert "r1" not in scheduler.kv.block_tables and blocks_used(scheduler) == 3, "b's blocks are freed this step"
-    assert scheduler.num_preemptions == 1 and scheduler.num_recomputed_tokens == 8
+    assert scheduler.preemption.num_preemptions == 1 and scheduler.preemption.num_recomputed_tokens == 8
     assert b.metrics.num_preemptions == 1
     scheduler.update([100])
     scheduler.kv.check_invariants()
@@ -91,7 +91,7 @@ def test_preempted_request_is_recomputed_from_scratch():
         scheduler.add(r)
     for _ in range(3):
         fake_step(scheduler)
-    assert scheduler.num_preemptions == 1
+    assert scheduler.preemption.num_preemptions == 1
     assert a.is_finished
     out, _ = fake_step(scheduler)  # b comes back: all its tokens (prompt + 2 generated) in one row
     assert out.request_ids == ["r1"]
@@ -110,7 +110,7 @@ def test_preempted_request_resumes_from_its_cached_full_blocks():
         scheduler.add(r)
     for _ in range(3):
         fake_step(scheduler)
-    assert scheduler.num_preemptions == 1 and a.is_finished
+    assert scheduler.preemption.num_preemptions == 1 and a.is_finished
     out, _ = fake_step(scheduler)  # b: its first block (4 tokens) was full and computed: taken from the cache
     assert out.request_ids == ["b"]
     assert out.start_positions == [4] and out.query_lens == [5] and out.sample == [True]
@@ -149,7 +149,7 @@ def test_request_larger_than_kv_pool_is_rejected_or_finishes():
         if not scheduler.has_unfinished():
             break
     assert request.is_finished, (f"livelock: {request} after 200 steps, "
-                                 f"{scheduler.num_preemptions} preemptions of a request that can never fit")
+                                 f"{scheduler.preemption.num_preemptions} preemptions of a request that can never fit")
 
 
 def test_timeout_ends_request_and_frees_blocks(monkeypatch):
@@ -203,9 +203,10 @@ def test_static_batch_lockstep_padding_and_release():
         out, _ = fake_step(scheduler)
         steps += 1
         assert "late" not in out.request_ids, "nobody joins a running batch"
-        assert out.request_ids == ["short", "long"], "finished members stay in the batch until the longest ends"
+        # finished members stay in the batch until the longest ends, as padding rows after the others
+        assert out.request_ids == (["long", "short"] if short_was_finished else ["short", "long"])
         if short_was_finished:
-            assert out.padding == [True, False] and out.sample == [False, True]
+            assert out.padding == [False, True] and out.sample == [True, False]
         if not long.is_finished:
             assert scheduler.kv.block_tables.get("short") == held["short"], "a padding row keeps its blocks"
     assert short.output_token_ids and len(short.output_token_ids) == 2, "padding rows get no tokens"
@@ -254,7 +255,7 @@ def test_admission_headroom_spares_the_preemptions_decode_growth_causes():
             scheduler.add(request)
         _run_to_the_end(scheduler)
         assert blocks_used(scheduler) == 0
-        return scheduler.num_preemptions, scheduler.num_recomputed_tokens
+        return scheduler.preemption.num_preemptions, scheduler.preemption.num_recomputed_tokens
 
     greedy, some, all_of_it = preempted(0), preempted(8), preempted(12)
     assert greedy[0] > some[0] > 0 and greedy[1] > some[1]

@@ -94,7 +94,7 @@ def test_priority_arrival_preempts_the_worst_running_request():
     scheduler.add(urgent)
     out, _ = fake_step(scheduler)
     assert "urgent" in out.request_ids and "bg1" not in out.request_ids
-    assert scheduler.num_preemptions == 1 and background[1] in scheduler.waiting
+    assert scheduler.preemption.num_preemptions == 1 and background[1] in scheduler.waiting
     scheduler.kv.check_invariants()
 
 
@@ -112,8 +112,8 @@ def preemption_workload(mode: str):
 def test_guaranteed_no_evict_never_preempts_where_max_utilization_does():
     greedy_engine, greedy_ids = preemption_workload("max_utilization")
     safe_engine, safe_ids = preemption_workload("guaranteed_no_evict")
-    assert greedy_engine.scheduler.num_preemptions > 0
-    assert safe_engine.scheduler.num_preemptions == 0
+    assert greedy_engine.scheduler.preemption.num_preemptions > 0
+    assert safe_engine.scheduler.preemption.num_preemptions == 0
     assert safe_ids == greedy_ids  # the same tokens either way
     assert safe_engine.stats()["kv_blocks_used"] == 0
 
@@ -136,7 +136,7 @@ def test_an_aged_request_once_admitted_is_not_preempted_by_urgent_work():
         scheduler.add(make_request(f"urgent{i}", 4, max_tokens=2))  # priority 0, fresh
         out, _ = fake_step(scheduler)
         assert out.request_ids == ["old"]
-    assert scheduler.num_preemptions == 0
+    assert scheduler.preemption.num_preemptions == 0
 
 
 def test_a_request_preempted_after_admission_does_not_age_into_preempting_others(monkeypatch):
@@ -149,10 +149,10 @@ def test_a_request_preempted_after_admission_does_not_age_into_preempting_others
     fake_step(scheduler)
     scheduler.add(make_request("urgent", 4, max_tokens=30))  # priority 0 preempts the priority-5 victim
     fake_step(scheduler)
-    assert victim in scheduler.waiting and scheduler.num_preemptions == 1
+    assert victim in scheduler.waiting and scheduler.preemption.num_preemptions == 1
     victim.metrics.arrival_time -= 60  # long past the bound now, but it was admitted once
     out, _ = fake_step(scheduler)
-    assert out.request_ids == ["urgent"] and not victim.aged and scheduler.num_preemptions == 1
+    assert out.request_ids == ["urgent"] and not victim.aged and scheduler.preemption.num_preemptions == 1
 
 
 @pytest.mark.timeout(20)
@@ -175,7 +175,7 @@ def test_making_room_for_an_aged_request_that_still_does_not_fit_ends():
     waiting.metrics.arrival_time -= 40  # aged
     out, _ = fake_step(scheduler)
     assert out.request_ids == ["old"]
-    assert victim in scheduler.waiting and waiting in scheduler.waiting and scheduler.num_preemptions == 1
+    assert victim in scheduler.waiting and waiting in scheduler.waiting and scheduler.preemption.num_preemptions == 1
     scheduler.kv.check_invariants()
 
 
@@ -196,6 +196,6 @@ def test_age_does_not_preempt_a_request_that_arrived_first():
     while scheduler.running or scheduler.waiting:
         out, _ = fake_step(scheduler)
         ran.append(out.request_ids)
-    assert scheduler.num_preemptions == 0 and late.aged
+    assert scheduler.preemption.num_preemptions == 0 and late.aged
     first_of_late = next(i for i, ids in enumerate(ran) if "late" in ids)
     assert first_of_late > max(i for i, ids in enumerate(ran) if "first" in ids)  # once a slot freed

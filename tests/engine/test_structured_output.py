@@ -83,7 +83,7 @@ def test_the_same_constrained_samples_in_both_loops_under_preemption_with_n2():
     tight_async = make_engine(num_kv_blocks=70, max_num_seqs=12, preemption_mode="recompute", async_scheduling=True)
     assert run(tight_sync, params) == roomy
     assert run(tight_async, params) == roomy
-    assert tight_sync.scheduler.num_preemptions > 0 and tight_async.scheduler.num_preemptions > 0
+    assert tight_sync.scheduler.preemption.num_preemptions > 0 and tight_async.scheduler.preemption.num_preemptions > 0
     for engine in (tight_sync, tight_async):
         assert len(engine.runner.sampler.constraints) == 0, "finished requests' matchers are dropped"
 

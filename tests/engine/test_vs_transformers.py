@@ -40,8 +40,8 @@ def test_greedy_matches_transformers_under_pressure(checkpoint, arch, backend):
     prompts, params = workload()
     engine = make_engine(path, attention_backend=backend, **PRESSURE)
     got = generate_ids(engine, prompts, params)
-    assert engine.scheduler.num_preemptions > 0, "the KV pool no longer forces preemption: shrink num_kv_blocks"
-    assert engine.scheduler.num_recomputed_tokens > 0
+    assert engine.scheduler.preemption.num_preemptions > 0, "the KV pool no longer forces preemption: shrink num_kv_blocks"
+    assert engine.scheduler.preemption.num_recomputed_tokens > 0
     assert [len(t) for t in got] == MAX_TOKENS
     assert_matches_hf(path, prompts, params, got)
     assert engine.stats()["kv_blocks_used"] == 0
@@ -57,7 +57,7 @@ def test_async_scheduling_matches_transformers(checkpoint, arch, pipelined, monk
     engine = make_engine(path, async_scheduling=True, **PRESSURE)
     ahead = launch_ahead(monkeypatch, engine.runner) if pipelined else None
     got = generate_ids(engine, prompts, params)
-    assert engine.async_scheduling and engine.scheduler.num_preemptions > 0
+    assert engine.async_scheduling and engine.scheduler.preemption.num_preemptions > 0
     if pipelined:
         assert ahead, "no step was launched ahead of the one before it"
     assert_matches_hf(path, prompts, params, got)
@@ -73,14 +73,14 @@ def test_preempted_kv_swapped_or_recomputed_gives_transformers_tokens(checkpoint
                          **PRESSURE)
     got = generate_ids(engine, prompts, params)
     stats = engine.stats()
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.preemption.num_preemptions > 0
     if mode == "swap":
         assert stats["num_swapped_out_bytes"] > 0 and stats["num_swapped_in_bytes"] == stats["num_swapped_out_bytes"]
         assert stats["num_recomputed_tokens"] == 0
     if mode == "recompute":
         assert stats["num_swapped_out_bytes"] == 0 and stats["num_recomputed_tokens"] > 0
     assert_matches_hf(path, prompts, params, got)
-    assert stats["kv_blocks_used"] == 0 and engine.scheduler.swap_pool.num_free == engine.scheduler.swap_pool.num_blocks
+    assert stats["kv_blocks_used"] == 0 and engine.scheduler.preemption.swap_pool.num_free == engine.scheduler.preemption.swap_pool.num_blocks
 
 
 def test_greedy_matches_transformers_static_batching(checkpoint):
