@@ -49,7 +49,7 @@ from inflight.serve_app.errors import (ERROR_BODY_SCHEMA, ERROR_STATUSES, APIErr
 from inflight.serve_app.metrics import RouterMetrics
 from inflight.engine.models.source import read_model_source
 from inflight.serve_app.gate import API_KEYS_ENV, Gate, load_api_keys
-from inflight.serve_app.ingress import reclaim_own_port_at_restart
+from inflight.serve_app.ports import reclaim_own_port_at_restart
 from inflight.serve_app import request_router
 from inflight.serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_block_hashes
 from inflight.serve_app.stream_channel import End, ReplicaLink, StreamInbox, StreamLost

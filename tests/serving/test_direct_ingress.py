@@ -67,7 +67,7 @@ def test_a_restarted_router_binds_its_port_over_the_last_ones_closed_connections
     from ray.serve._private import replica as serve_replica
     from ray.serve.config import HTTPOptions
 
-    from inflight.serve_app.ingress import reclaim_own_port_at_restart
+    from inflight.serve_app.ports import reclaim_own_port_at_restart
 
     port = _port_in_time_wait()
     plain = socket.socket()
