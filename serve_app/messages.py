@@ -125,7 +125,7 @@ def _choices_plain(choices: tuple[Choice, ...]) -> list:
 
 
 def _choices(plain: list) -> tuple[Choice, ...]:
-    return tuple(Choice(*c) for c in plain)
+    return tuple([Choice(*c) for c in plain])
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,26 +155,18 @@ class Chunk(_Message):
     choices: tuple[Choice, ...]
 
     def to_plain(self) -> list:
-        return [3, _choices_plain(self.choices)]
+        return [self.TAG, _choices_plain(self.choices)]
 
     @classmethod
-    def _from_fields(cls, values: list) -> "Chunk":
+    def _from_fields(cls, values: list):
         return cls(_choices(values[0]))
 
 
 @dataclass(frozen=True, slots=True)
-class Finished(_Message):
-    """A request's last message (every choice ended)."""
+class Finished(Chunk):
+    """A request's last chunk (every choice ended)."""
     TAG: ClassVar[int] = 4
     finished: ClassVar[bool] = True
-    choices: tuple[Choice, ...]
-
-    def to_plain(self) -> list:
-        return [4, _choices_plain(self.choices)]
-
-    @classmethod
-    def _from_fields(cls, values: list) -> "Finished":
-        return cls(_choices(values[0]))
 
 
 @dataclass(frozen=True, slots=True)
