@@ -6,6 +6,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from inflight.serve_app.errors import OverloadedError
+
 
 class DrainRate:
     """Completions per second, an exponentially weighted average over roughly the last ``window_s``."""
@@ -110,3 +112,56 @@ class TenantLimiter:
     def _level(self, tenant: str, rate: int) -> float:
         tokens, when = self._buckets.get(tenant, (float(rate), self._clock()))
         return min(float(rate), tokens + (self._clock() - when) * rate / 60.0)
+
+
+class Slot:
+    """A request's admission: the router's slot and, for a tenant, its share; released once, settling the
+    tenant's token budget with the request's ``usage`` (``total_tokens``) when it is known."""
+
+    def __init__(self, admission: "RouterAdmission", tenant: str | None, reserved: int) -> None:
+        self.admission, self.tenant, self.reserved = admission, tenant, reserved
+        self.usage: dict[str, int] = {}
+        self._released = False
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.admission.release(self)
+
+
+class RouterAdmission:
+    """The router's admission: at most ``max_pending_requests`` in flight, and each API key's tenant within its
+    limits (requests in flight, tokens per minute); a refusal is a 429 with Retry-After. Counted in ``metrics``
+    (``RouterMetrics``)."""
+
+    def __init__(self, max_in_flight: int, tenant_limits: dict[str, TenantLimits],
+                 default_tenant_limits: TenantLimits | None, metrics) -> None:
+        self.requests = AdmissionController(max_in_flight)
+        self.tenants = TenantLimiter(tenant_limits, default_tenant_limits)
+        self.metrics = metrics
+
+    def admit(self, tenant: str | None, reserved: int) -> Slot:
+        """A slot for a request expected to take ``reserved`` tokens; raises ``OverloadedError``."""
+        retry_after = self.requests.try_acquire()
+        if retry_after is not None:
+            self.metrics.rejections.inc()
+            raise OverloadedError(f"server is at capacity ({self.requests.max_in_flight} requests in flight); "
+                                  f"retry later", retry_after_s=retry_after)
+        if tenant is not None:
+            refusal = self.tenants.try_admit(tenant, reserved)
+            if refusal is not None:
+                self.requests.release()
+                self.metrics.tenant_rejections.inc(tags={"tenant": tenant})
+                retry_after, why = refusal
+                raise OverloadedError(f"rate limited: {why}; retry later", retry_after_s=retry_after)
+        return Slot(self, tenant, reserved)
+
+    def release(self, slot: Slot) -> None:
+        self.requests.release()
+        if slot.tenant is not None:
+            used = slot.usage.get("total_tokens")
+            self.tenants.release(slot.tenant, slot.reserved, used)
+            self.metrics.tenant_requests.inc(tags={"tenant": slot.tenant})
+            if used:
+                self.metrics.tenant_tokens.inc(used, tags={"tenant": slot.tenant})

@@ -12,7 +12,7 @@ from ray.serve.config import RequestRouterConfig
 
 from inflight.serve_app.config import AppConfig
 from inflight.serve_app.replica import LLMReplica
-from inflight.serve_app.router import Router
+from inflight.serve_app.ingress import Router
 
 ROUTER_DRAIN_EXTRA_S = 60.0
 
@@ -43,7 +43,7 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
         "health_check_timeout_s": 10.0,
         "logging_config": logging_config,
         # Draining (scale-down, redeploy): requests in flight get drain_timeout_s to finish; Serve then stops the
-        # replica and the router continues what is left on another replica (serve_app.router, max_migrations).
+        # replica and the router continues what is left on another replica (serve_app.migration, max_migrations).
         "graceful_shutdown_timeout_s": config.drain_timeout_s,
         "graceful_shutdown_wait_loop_s": 1.0,
     }

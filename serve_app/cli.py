@@ -30,7 +30,7 @@ import yaml
 from pydantic import ValidationError
 
 from inflight.engine.config import EngineConfig
-from inflight.serve_app import cli_args, cpu_plan, ingress, ray_env
+from inflight.serve_app import cli_args, cpu_plan, ports, ray_env
 from inflight.serve_app.config import AppConfig
 
 BUILDER = "inflight.serve_app.app:build_app"
@@ -135,7 +135,7 @@ def connect_ray(address: str | None, serve_config: dict[str, Any]) -> bool:
         return False
     host = serve_config["http_options"].get("host", DEFAULT_HOST)
     for port in (int(os.environ[PORT_ENV]), serve_config["http_options"].get("port", 8000)):
-        if not ingress.port_free(port, host):  # Serve would move the router to the next free port, or fail the proxy
+        if not ports.port_free(port, host):  # Serve would move the router to the next free port, or fail the proxy
             raise ServeError(f"port {port} on {host} is taken (another server?): choose another with --port or "
                              "--proxy-port")
     cpus = cpu_plan.serving_cpus(serve_config)
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None, prog: str = "inflight serve") -> int:
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         ours = [app["name"] for app in serve_config["applications"] if app.get("import_path") == BUILDER]
         for name in names if not stop.is_set() else []:
-            api = f"; API: {ingress.wait_for_router_url(name, shown_host)}/v1" if name in ours else ""
+            api = f"; API: {ports.wait_for_router_url(name, shown_host)}/v1" if name in ours else ""
             print(f"application {name!r} running{api}", flush=True)
         proxy = serve_config["http_options"].get("port", 8000)  # a running cluster's Serve keeps its own
         print(f"Serve's proxy: http://{shown_host}:{proxy}; " if started else "", "Ctrl-C stops", sep="", flush=True)

@@ -52,7 +52,7 @@ class AppConfig(BaseModel):
     default_timeout_s: float = Field(default=120.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
     # A request whose replica is lost mid-generation continues on another from the tokens already sent, exactly
-    # (same stream, nothing repeated or missing), this many times at most (serve_app.router).
+    # (same stream, nothing repeated or missing), this many times at most (serve_app.migration).
     max_migrations: int = Field(default=3, ge=0)
     # A replica being stopped (scale-down, a redeploy with a changed config, a node drained) takes no new request
     # and has this long to finish its requests (Serve's graceful_shutdown_timeout_s); the rest then continue on

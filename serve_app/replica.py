@@ -1,8 +1,8 @@
-"""``LLMReplica``: one engine per replica, streaming plain-dict chunks to the router.
+"""``LLMReplica``: one engine per replica, streaming typed messages (``serve_app.messages``) to the router.
 
 The engine class is injected (``engine_cls``) so tests and other engines can stand in. Messages are
-plain dicts, never tensors: chunks of new tokens, the first of them also saying ``"started"`` with the
-prompt's length, or a single ``{"error": ...}`` when the request is refused. (The first tokens and
+plain data, never tensors: ``Started`` with the prompt's length and the first tokens, ``Chunk``s of new tokens,
+``Finished``; or a single ``Refused`` when the request is refused. (The first tokens and
 the acknowledgement travel in one message: one round trip less before the first token.) Requests come
 two ways: down a router's connection (``serve_app.stream_channel``; each router introduces itself with
 ``connect``), their messages going back up it; or as Serve calls, whose messages go up the router's
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from typing import Any, AsyncIterator
 
 import ray
@@ -39,9 +38,12 @@ from inflight.serve_app.admission import DrainRate
 from inflight.serve_app.autoscaling import autoscaling_metrics
 from inflight.serve_app.errors import (APIError, BadRequestError, EngineLost, OverloadedError, RequestTimeoutError,
                               ServiceUnavailableError, param_of_value_error)
+from inflight.serve_app.messages import (Continued, Draining, EmbedRequest, Embeddings, Failed, GenerateRequest, Lost,
+                                         Refused, ReplicaStats, Route, Started, StreamEvent)
 from inflight.serve_app.metrics import ReplicaMetrics
+from inflight.serve_app.replica_output import Echo, replica_stats, stream_message
 from inflight.serve_app.responses import pack_embedding
-from inflight.serve_app.stream_channel import HEARTBEAT_S, ReplicaConnection, StreamOutbox
+from inflight.serve_app.stream_channel import GENERATE, HEARTBEAT_S, ReplicaConnection, StreamOutbox
 
 logger = logging.getLogger("ray.serve")
 
@@ -75,22 +77,22 @@ class LLMReplica:
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self._stats_task: asyncio.Task | None = None
         self.outbox = StreamOutbox(self.replica_id, on_frame=self._on_channel_frame, on_close=_abort_its_requests,
-                                   greeting=lambda: {"stats": self.stats()})
+                                   greeting=self.stats)
         self.draining = False
         self.engine.death_observer = _exit_without_an_engine
 
     # -- requests -----------------------------------------------------------------------------------
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
         """The request's messages: as this call's items, or, when it brings a ``route``, on the router's stream
         channel, the call then yielding nothing and ending when the last of them is on its way."""
         messages = self._messages(request)
-        route = request.get("route")
+        route = request.route
         try:
             if route is None:
                 async for message in messages:
                     yield message
                 return
-            channel, key = self._connection(route), route["key"]
+            channel, key = self._connection(route), route.key
             try:
                 async for message in messages:
                     channel.send(key, message)
@@ -103,7 +105,7 @@ class LLMReplica:
             raise EngineLost(str(e)) from None
 
     # -- requests on the stream channel ----------------------------------------------------------------
-    async def connect(self, address: dict[str, Any]) -> str | None:
+    async def connect(self, address: Route) -> str | None:
         """A router introduces itself (``handle.broadcast``, every second): connect to it if not connected, so that
         it can send requests down the connection instead of through Serve. Returns this replica's id (None once
         it is draining: it takes nothing new)."""
@@ -112,41 +114,40 @@ class LLMReplica:
         self._connection(address)
         return self.replica_id
 
-    def _connection(self, route: dict[str, Any]) -> ReplicaConnection:
+    def _connection(self, route: Route) -> ReplicaConnection:
         """The connection to a router, opened if need be (its first news is this replica's stats, and the
         heartbeat that follows them starts)."""
         self._ensure_stats_task()
         return self.outbox.connection(route)
 
-    def _on_channel_frame(self, connection: ReplicaConnection, frame: list) -> None:
-        for op, payload in frame:
-            if op == "generate":
-                key = payload["route"]["key"]
-                task = asyncio.get_running_loop().create_task(self._generate_on(connection, key, payload))
-                connection.tasks[key] = task
-                task.add_done_callback(lambda _, key=key: connection.tasks.pop(key, None))
-            elif op == "abort":
-                task = connection.tasks.get(payload)
-                if task is not None:
-                    task.cancel()  # leaving the stream aborts the request in the engine
+    def _on_channel_frame(self, connection: ReplicaConnection, op: str, payload: GenerateRequest | int) -> None:
+        if op == GENERATE:
+            key = payload.route.key
+            task = asyncio.get_running_loop().create_task(self._generate_on(connection, key, payload))
+            connection.tasks[key] = task
+            task.add_done_callback(lambda _, key=key: connection.tasks.pop(key, None))
+        else:  # an abort, by key
+            task = connection.tasks.get(payload)
+            if task is not None:
+                task.cancel()  # leaving the stream aborts the request in the engine
 
-    async def _generate_on(self, connection: ReplicaConnection, key: int, request: dict[str, Any]) -> None:
+    async def _generate_on(self, connection: ReplicaConnection, key: int, request: GenerateRequest) -> None:
         """A request that came on a router's connection: its messages go back up it, and so does how it ended
         when that is not a last message (``lost``: the engine died; ``failed``: a bug here)."""
         if self.draining:  # sent before the router heard that this replica is draining: it goes elsewhere
-            connection.send(key, {"draining": True})
+            connection.send(key, Draining())
             return
         messages = self._messages(request)
         try:
             async for message in messages:
                 connection.send(key, message)
         except EngineDeadError as e:
-            _send_if_open(connection, key, {"lost": str(e)})
+            _send_if_open(connection, key, Lost(str(e)))
         except ConnectionError:
             pass  # the router is gone; its connection's close aborts the rest
         except Exception as e:
-            logger.exception("request %s failed", request.get("request_id"))
-            _send_if_open(connection, key, {"failed": type(e).__name__})
+            logger.exception("request %s failed", request.request_id)
+            _send_if_open(connection, key, Failed(type(e).__name__))
         finally:
             await messages.aclose()
 
@@ -163,45 +164,43 @@ class LLMReplica:
         except RuntimeError:  # the garbage collector's call, outside any event loop
             return None
         self.draining = True
-        self.outbox.tell_all({"draining": True})
+        self.outbox.tell_all(Draining())
         return self._wait_for_channel_requests()
 
     async def _wait_for_channel_requests(self) -> None:
         while any(c.tasks for c in self.outbox.connections()):
             await asyncio.sleep(0.1)
 
-    async def _messages(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _messages(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
         self._ensure_stats_task()
         # A request continued from a lost replica was admitted once: it is not refused for a full queue here.
-        refusal = None if "continue_from" in request else self._refuse_if_full(self.engine.stats()["num_waiting"])
+        refusal = (None if request.continue_from is not None
+                   else self._refuse_if_full(self.engine.stats()["num_waiting"]))
         if refusal is not None:
             yield refusal
             return
         try:
             prompt = self._prompt(request)
             # Delta outputs: each carries only the new tokens, so no step copies a request's whole output.
-            params = SamplingParams(**request["params"], timeout_s=request.get("timeout_s"),
-                                    reject_unmeetable_deadline=request.get("strict_deadline", True),
+            params = SamplingParams(**request.params, timeout_s=request.timeout_s,
+                                    reject_unmeetable_deadline=request.strict_deadline,
                                     output_kind="delta")
             await self.engine.check_structured_output(params, STRUCTURED_COMPILE_TIMEOUT_S)  # off the event loop
-            stream = self.engine.submit(prompt, params, request_id=request["request_id"],
-                                        priority=request.get("priority", 0),
-                                        continuations=_continuations(request.get("continue_from")))
+            stream = self.engine.submit(prompt, params, request_id=request.request_id, priority=request.priority,
+                                        continuations=_continuations(request.continue_from))
         except ValueError as e:
-            yield {"error": BadRequestError(str(e), param=param_of_value_error(str(e))).to_dict()}
+            yield Refused(BadRequestError(str(e), param=param_of_value_error(str(e))).to_dict())
             return
         num_prompt_tokens = len(stream.prompt_token_ids)
         self.metrics.prompt_tokens.inc(max(1, num_prompt_tokens * params.n))
-        started = {"started": True, "prompt_tokens": num_prompt_tokens, "replica_id": self.replica_id}
+        started: Started | None = Started(self.replica_id, num_prompt_tokens, ())
         num_generated = 0
-        echo = self._echo(request, stream.prompt_token_ids, params) if request.get("echo") else None
+        echo = self._echo(request, stream.prompt_token_ids, params) if request.echo else None
         try:
             async for output in stream:  # paced by the engine (max_outputs_per_s): each one is a message
                 num_generated += sum(len(c.token_ids) for c in output.outputs)
-                chunk = self._chunk(output, params.logprobs or 0, echo)
-                if started is not None:
-                    chunk, started = {**started, **chunk}, None
-                yield chunk
+                yield stream_message(output, params.logprobs or 0, echo, started)
+                started = None
                 if output.finished:
                     self._on_finished(output, num_generated)
         except DeadlineUnmeetableError as e:  # refused at admission (before any output): a late first token predicted
@@ -212,27 +211,24 @@ class LLMReplica:
             if num_generated:
                 self.metrics.generation_tokens.inc(num_generated)
 
-    async def embed(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``/v1/embeddings``: every input is an engine request (the prefill lane batches them together).
-
-        Returns ``{"embeddings": [float32 bytes per input], "prompt_tokens": N}`` or ``{"error": ...}``. If the
+    async def embed(self, request: EmbedRequest) -> Embeddings | Refused:
+        """``/v1/embeddings``: every input is an engine request (the prefill lane batches them together). If the
         call is cancelled (the client left, the router's deadline passed), every input is aborted."""
         self._ensure_stats_task()
         stats = self.engine.stats()
         refusal = self._refuse_if_full(stats["num_waiting"] + stats.get("num_prefill_lane_waiting", 0))
         if refusal is not None:
             return refusal
-        params = PoolingParams(timeout_s=request.get("timeout_s"),
-                               reject_unmeetable_deadline=request.get("strict_deadline", True))
-        inputs = request["inputs"]
+        params = PoolingParams(timeout_s=request.timeout_s, reject_unmeetable_deadline=request.strict_deadline)
+        inputs = request.inputs
         streams = []
         for i, prompt in enumerate(inputs):
             try:
-                streams.append(self.engine.submit(prompt, params, request_id=f"{request['request_id']}-{i}"))
+                streams.append(self.engine.submit(prompt, params, request_id=f"{request.request_id}-{i}"))
             except ValueError as e:
                 await _abort_all(self.engine, streams)
                 where = f"input[{i}]: " if len(inputs) > 1 else ""
-                return {"error": BadRequestError(f"{where}{e}", param="input").to_dict()}
+                return Refused(BadRequestError(f"{where}{e}", param="input").to_dict())
         tasks = [asyncio.ensure_future(_final_output(stream)) for stream in streams]
         try:
             outputs = await asyncio.gather(*tasks)
@@ -247,52 +243,36 @@ class LLMReplica:
         reasons = {o.outputs[0].finish_reason for o in outputs}
         if "timeout" in reasons:
             error: APIError = RequestTimeoutError("request timed out (queueing and the forward)", code="timeout")
-            return {"error": error.to_dict()}
+            return Refused(error.to_dict())
         if "abort" in reasons:
-            return {"error": ServiceUnavailableError("request was aborted by the engine").to_dict()}
-        return {"embeddings": [pack_embedding(o.embedding) for o in outputs], "prompt_tokens": num_prompt_tokens}
+            return Refused(ServiceUnavailableError("request was aborted by the engine").to_dict())
+        return Embeddings([pack_embedding(o.embedding) for o in outputs], num_prompt_tokens)
 
-    def _refuse_if_full(self, queued: int) -> dict[str, Any] | None:
+    def _refuse_if_full(self, queued: int) -> Refused | None:
         """The 429 message when ``queued`` requests already wait here (Retry-After from the drain rate), else None."""
         if queued < self.max_queued_requests:
             return None
         self.metrics.rejections.inc()
         retry = self.drain.seconds_to_drain(queued - self.max_queued_requests + 1)
-        return {"error": OverloadedError(f"replica queue is full ({queued} waiting)", retry_after_s=retry).to_dict()}
+        return Refused(OverloadedError(f"replica queue is full ({queued} waiting)", retry_after_s=retry).to_dict())
 
-    def _refuse_unmeetable(self, error: DeadlineUnmeetableError) -> dict[str, Any]:
+    def _refuse_unmeetable(self, error: DeadlineUnmeetableError) -> Refused:
         """The 429 message for a request the engine refused at admission: its deadline cannot be met."""
         self.metrics.rejections.inc()
-        return {"error": OverloadedError(str(error), retry_after_s=error.retry_after_s).to_dict()}
+        return Refused(OverloadedError(str(error), retry_after_s=error.retry_after_s).to_dict())
 
-    def _prompt(self, request: dict[str, Any]):
-        if "prompt_token_ids" in request:  # the router tokenized it (prefix affinity hashes the ids)
-            return {"prompt": request.get("prompt_text"), "prompt_token_ids": request["prompt_token_ids"]}
-        if request["kind"] == "chat":
-            return self.engine.tokenizer.chat_prompt(request["messages"], request.get("add_generation_prompt", True),
-                                                     request.get("tools"))
-        return request["prompt"]
+    def _prompt(self, request: GenerateRequest):
+        if request.prompt_token_ids is not None:  # the router tokenized it (prefix affinity hashes the ids)
+            return {"prompt": request.prompt_text, "prompt_token_ids": request.prompt_token_ids}
+        if request.kind == "chat":
+            return self.engine.tokenizer.chat_prompt(request.messages, request.add_generation_prompt, request.tools)
+        return request.prompt
 
-    def _chunk(self, output: RequestOutput, num_top: int, echo: _Echo | None = None) -> dict[str, Any]:
-        """The message for one delta output (see ``generate``)."""
-        choices = []
-        for completion in output.outputs:
-            # The token ids too: the router keeps them, to continue the request elsewhere if this replica is lost.
-            choice = {"index": completion.index, "text": completion.text, "token_ids": completion.token_ids,
-                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-            if completion.logprobs is not None:
-                choice["logprobs"] = [_logprob_entry(entry, token_id, num_top)
-                                      for entry, token_id in zip(completion.logprobs, completion.token_ids)]
-            if echo is not None:
-                echo.prepend(choice, output)
-            choices.append(choice)
-        return {"choices": choices, "finished": output.finished}
-
-    def _echo(self, request: dict[str, Any], prompt_token_ids: list[int], params: SamplingParams) -> _Echo:
+    def _echo(self, request: GenerateRequest, prompt_token_ids: list[int], params: SamplingParams) -> Echo:
         tokenizer = self.engine.tokenizer
-        prompt = request["prompt"]
+        prompt = request.prompt
         text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_token_ids)
-        return _Echo(text, params.prompt_logprobs, tokenizer.decode(prompt_token_ids[:1], skip_special_tokens=False))
+        return Echo(text, params.prompt_logprobs, tokenizer.decode(prompt_token_ids[:1], skip_special_tokens=False))
 
     def _on_finished(self, output: RequestOutput, num_tokens: int) -> None:
         self.drain.record()
@@ -300,28 +280,15 @@ class LLMReplica:
         self.metrics.observe_finished(output.metrics, num_tokens // max(1, len(output.outputs)), timed_out)
 
     # -- state ---------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        stats = self.engine.stats()
-        return {"replica_id": self.replica_id, "node_id": self.node_id, "model": self.model_name,
-                "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
-                "num_queued_prompt_tokens": stats["num_queued_prompt_tokens"],
-                "kv_blocks_used": stats["kv_blocks_used"], "kv_blocks_total": stats["kv_blocks_total"],
-                "kv_blocks_free": stats["kv_blocks_free"], "kv_blocks_cached": stats["kv_blocks_cached"],
-                "kv_token_usage": stats["kv_token_usage"],
-                "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
-                "prefix_cache_query_tokens": stats["prefix_cache_query_tokens"],
-                "kv_diagnosis": stats["kv_diagnosis"],
-                "max_num_seqs": stats["max_num_seqs"], "max_model_len": stats["max_model_len"],
-                "block_size": stats["block_size"],  # for the router's prefix affinity (engine.block_hash)
-                "num_preemptions": stats["num_preemptions"], "num_finished_requests": stats["num_finished_requests"],
-                "num_generated_tokens": stats["num_generated_tokens"],
-                "router_connections": sum(not c.broken for c in self.outbox.connections()),  # serve_app.stream_channel
-                **{k: v for k, v in stats.items() if k.startswith("spec_")}, "time": time.time()}
+    def stats(self) -> ReplicaStats:
+        return replica_stats(self.engine.stats(), self.replica_id, self.node_id, self.model_name,
+                             router_connections=sum(not c.broken for c in self.outbox.connections()))
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by Serve for the request router (and /stats): exact engine state, time-stamped."""
+        """Polled by Serve for the request router: exact engine state, time-stamped (a dict, as Serve's API has
+        it; ``LLMRequestRouter`` reads it back as ``ReplicaStats``)."""
         self._ensure_stats_task()
-        return self.stats()
+        return self.stats().to_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Polled by Serve's autoscaler when the deployment autoscales: this replica's engine load."""
@@ -340,7 +307,7 @@ class LLMReplica:
             else:
                 ids = tokenizer.encode(request["prompt"], add_special_tokens=request["add_special_tokens"])
         except ValueError as e:
-            return {"error": BadRequestError(str(e), param="messages").to_dict()}
+            return Refused(BadRequestError(str(e), param="messages").to_dict())
         strs = [tokenizer.id_to_token(i) for i in ids] if request.get("return_token_strs") else None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -348,8 +315,8 @@ class LLMReplica:
         """``/detokenize``: the text of ``token_ids``; ``{"error": ...}`` for ids outside the vocabulary."""
         tokenizer = self.engine.tokenizer
         if token_ids and (min(token_ids) < 0 or max(token_ids) >= tokenizer.vocab_size):
-            return {"error": BadRequestError(f"token ids must be in [0, {tokenizer.vocab_size})",
-                                             param="tokens").to_dict()}
+            return Refused(BadRequestError(f"token ids must be in [0, {tokenizer.vocab_size})",
+                                           param="tokens").to_dict())
         return {"prompt": tokenizer.decode(token_ids)}
 
     async def ping(self) -> str:
@@ -364,7 +331,7 @@ class LLMReplica:
             try:
                 self.metrics.observe_stats(self.engine.stats())
                 if len(self.outbox):  # each router's view of this replica's load, and a heartbeat
-                    self.outbox.tell_all({"stats": self.stats()})
+                    self.outbox.tell_all(self.stats())
             except Exception:  # metrics must never take the replica down
                 logger.exception("failed to publish engine metrics")
             await asyncio.sleep(self.stats_period_s)
@@ -388,19 +355,19 @@ def _abort_its_requests(connection: ReplicaConnection) -> None:
         task.cancel()
 
 
-def _send_if_open(connection: ReplicaConnection, key: int, message: dict[str, Any]) -> None:
+def _send_if_open(connection: ReplicaConnection, key: int, message: StreamEvent) -> None:
     try:
         connection.send(key, message)
     except ConnectionError:
         pass
 
 
-def _continuations(continue_from: list[dict[str, Any]] | None) -> dict[int, Continuation] | None:
+def _continuations(continue_from: tuple[Continued, ...] | None) -> dict[int, Continuation] | None:
     """The router's ``continue_from`` (a request that ran on a replica since lost or drained): per unfinished
     choice its index, the token ids the client got and the characters of text it was sent."""
     if continue_from is None:
         return None
-    return {c["index"]: Continuation(tuple(c["token_ids"]), c["text_len"]) for c in continue_from}
+    return {c.index: Continuation(tuple(c.token_ids), c.text_len) for c in continue_from}
 
 
 async def _final_output(stream) -> RequestOutput:
@@ -420,40 +387,3 @@ async def _abort_all(engine, streams: list) -> None:
             await asyncio.wait_for(_final_output(stream), timeout=5.0)
         except Exception:  # the engine is dead or slow; the request ends with it
             logger.warning("could not drain aborted embedding request %s", stream.request_id)
-
-
-class _Echo:
-    """A completion with ``echo``: the prompt's text goes before each choice's first text, and with logprobs
-    (``num_top``) the prompt tokens' entries before the choice's own; the first prompt token has no logprob
-    (null, as OpenAI sends it)."""
-
-    def __init__(self, text: str, num_top: int | None, first_token_text: str) -> None:
-        self.text = text
-        self.num_top = num_top
-        self.first_token_text = first_token_text
-        self.done: set[int] = set()  # choices that got the prompt already
-        self.entries: list[dict[str, Any]] | None = None
-
-    def prepend(self, choice: dict[str, Any], output: RequestOutput) -> None:
-        if choice["index"] in self.done:
-            return
-        self.done.add(choice["index"])
-        choice["text"] = self.text + choice["text"]
-        choice["echoed"] = len(self.text)  # not generated text: the router's record of what was sent skips it
-        if self.num_top is None:
-            return
-        if self.entries is None:
-            prompt_logprobs = output.prompt_logprobs or [None]  # (a request that ended before its prompt has none)
-            self.entries = [{"token": self.first_token_text, "logprob": None, "top": None}] + [
-                _logprob_entry(entry, token_id, self.num_top)
-                for entry, token_id in zip(prompt_logprobs[1:], output.prompt_token_ids[1:])]
-        choice["logprobs"] = self.entries + choice.get("logprobs", [])
-
-
-def _logprob_entry(entry: dict, token_id: int, num_top: int) -> dict[str, Any]:
-    """One generated token's logprob and the top ``num_top`` alternatives, as (text, logprob) pairs."""
-    chosen = entry[token_id]
-    top = sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
-    return {"token": chosen.decoded_token or "", "logprob": chosen.logprob,
-            "top": [(lp.decoded_token or "", lp.logprob) for lp in top]}
-

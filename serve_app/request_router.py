@@ -14,38 +14,14 @@ count moves; ``on_request_completed`` releases it by request id.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections import defaultdict
 from typing import Any, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from inflight.serve_app.routing import ReplicaLoad, RoutingPolicy, fresh_stats, request_block_hashes
-
-# Each deployment's live replica ids, (app, deployment) -> ids, as this process's request routers last heard from
-# Serve's controller: the router deployment sends requests down replicas' own connections only while those cover
-# this set (serve_app.stream_channel), so a new replica is reached through Serve until it is connected.
-_LIVE_REPLICAS: dict[tuple[str, str], frozenset[str]] = {}
-
-
-def live_replicas(app: str, deployment: str) -> frozenset[str] | None:
-    """The deployment's replicas Serve routes to now, or None before this process has a request router for it.
-
-    Both sides reach the dict through this module as imported in the process (``importlib``), never through the
-    names their classes' code was written with: Serve ships the router deployment's class and this request
-    router's class with cloudpickle, which may copy a module-level dict their code names (each class would then
-    hold a copy of its own, never shared)."""
-    return _LIVE_REPLICAS.get((app, deployment))
-
-
-def remember_live_replicas(app: str, deployment: str, replica_ids: frozenset[str]) -> None:
-    _LIVE_REPLICAS[(app, deployment)] = replica_ids
-
-
-def this_module():
-    """This module as this process imported it (see ``live_replicas``)."""
-    return importlib.import_module(__name__)
+from inflight.serve_app.messages import ReplicaStats
+from inflight.serve_app.routing import RoutingPolicy
 
 
 class LLMRequestRouter(FIFOMixin, RequestRouter):
@@ -53,28 +29,37 @@ class LLMRequestRouter(FIFOMixin, RequestRouter):
         self.policy = RoutingPolicy(policy, load_cap)
         self.in_flight: dict[str, int] = defaultdict(int)
         self._counted_on: dict[str, str] = {}  # internal request id -> replica its in-flight count is on
+        self._typed_stats: dict[str, tuple[dict[str, Any], ReplicaStats]] = {}  # by replica: (Serve's, typed)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
-        now = time.time()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = [ReplicaLoad(rid, self.in_flight[rid], fresh_stats(r.routing_stats, now)) for rid, r in by_id.items()]
+        candidates = [(rid, self.in_flight[rid], self._stats(rid, r.routing_stats)) for rid, r in by_id.items()]
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        hashes = request_block_hashes(self.policy, request, [r.routing_stats for r in candidate_replicas])
-        ranked = self.policy.rank(loads, hashes)
+        ranked = self.policy.choose(candidates, request, time.time())
         if pending_request is not None and ranked:
-            self._count(pending_request.metadata.internal_request_id, ranked[0].replica_id)
-        return [[by_id[load.replica_id]] for load in ranked]
+            self._count(pending_request.metadata.internal_request_id, ranked[0])
+        return [[by_id[replica_id]] for replica_id in ranked]
+
+    def _stats(self, replica_id: str, routing_stats: dict[str, Any] | None) -> ReplicaStats | None:
+        """A replica's routing stats as Serve keeps them (the dict ``LLMReplica.record_routing_stats`` returned),
+        typed once per report rather than once per request."""
+        if not routing_stats:
+            return None
+        cached = self._typed_stats.get(replica_id)
+        if cached is None or cached[0] is not routing_stats:
+            cached = self._typed_stats[replica_id] = (routing_stats, ReplicaStats.from_dict(routing_stats))
+        return cached[1]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
-        deployment = self._deployment_id
-        this_module().remember_live_replicas(deployment.app_name, deployment.name, replica_ids)
         # A replica that is gone takes its cache with it (a restarted one comes back with a new id).
         self.policy.prefix_index.forget_except(replica_ids)
+        for gone in [r for r in self._typed_stats if r not in replica_ids]:
+            del self._typed_stats[gone]
 
     def _count(self, request_id: str, replica_id: str) -> None:
         previous = self._counted_on.get(request_id)

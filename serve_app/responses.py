@@ -12,6 +12,8 @@ import struct
 import time
 from typing import Any, Callable
 
+from inflight.serve_app.messages import Choice
+
 FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}  # "abort"/"timeout" never reach a 200 body
 
 
@@ -52,12 +54,12 @@ class ChoiceState:
         self.logprobs: list[dict[str, Any]] = []
         self.finish_reason: str | None = None
 
-    def add(self, choice: dict[str, Any]) -> None:
-        self.text += choice["text"]
-        self.num_tokens += len(choice["token_ids"])
-        self.logprobs.extend(choice.get("logprobs") or [])
-        if choice["finish_reason"] is not None:
-            self.finish_reason = choice["finish_reason"]
+    def add(self, choice: Choice) -> None:
+        self.text += choice.text
+        self.num_tokens += len(choice.token_ids)
+        self.logprobs.extend(choice.logprobs or [])
+        if choice.finish_reason is not None:
+            self.finish_reason = choice.finish_reason
 
 
 def completion_response(request_id: str, model: str, choices: list[ChoiceState], prompt_tokens: int,
@@ -97,13 +99,13 @@ def chat_response(request_id: str, model: str, choices: list[ChoiceState], promp
     }
 
 
-def completion_chunk(request_id: str, model: str, created: int, choice: dict[str, Any], text_offset: int,
+def completion_chunk(request_id: str, model: str, created: int, choice: Choice, text_offset: int,
                      with_logprobs: bool) -> dict[str, Any]:
     return {
         "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": choice["index"], "text": choice["text"],
-                     "finish_reason": FINISH_REASONS.get(choice["finish_reason"]) if choice["finish_reason"] else None,
-                     "logprobs": completion_logprobs(choice.get("logprobs") or [], text_offset)
+        "choices": [{"index": choice.index, "text": choice.text,
+                     "finish_reason": FINISH_REASONS.get(choice.finish_reason) if choice.finish_reason else None,
+                     "logprobs": completion_logprobs(choice.logprobs or [], text_offset)
                      if with_logprobs else None}],
     }
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inflight.engine.block_hash import block_hashes, request_salt, salted_root
+from inflight.serve_app.messages import GenerateRequest, ReplicaStats
 
 POLICIES = ("least_loaded", "power_of_two", "round_robin", "prefix_affinity")
 MAX_STATS_AGE_S = 1.0
@@ -27,24 +28,26 @@ DEFAULT_INDEX_BLOCKS = 8192  # blocks remembered per replica until it reports it
 class ReplicaLoad:
     replica_id: str
     in_flight: int  # sent by this router, not finished: exact and current
-    stats: dict[str, Any] | None  # the replica's latest report, None if missing or stale
+    stats: ReplicaStats | None  # the replica's latest report, None if missing or stale
     slots_if_unknown: int = 1  # batch slots assumed without a report: its peers' (``RoutingPolicy.rank`` sets it)
 
     def score(self) -> float:
         """Lower is better: queue pressure per batch slot, plus the share of KV memory in use."""
         if not self.stats:
             return self.in_flight / self.slots_if_unknown
-        slots = max(1, self.stats.get("max_num_seqs", 1))
-        queued = max(self.in_flight, self.stats.get("num_running", 0) + self.stats.get("num_waiting", 0))
-        total = max(1, self.stats.get("kv_blocks_total", 1))
-        kv_used = 1.0 - self.stats.get("kv_blocks_free", total) / total
+        stats = self.stats
+        slots = max(1, stats.max_num_seqs)
+        queued = max(self.in_flight, stats.num_running + stats.num_waiting)
+        total = max(1, stats.kv_blocks_total)
+        kv_used = 1.0 - (total if stats.kv_blocks_free is None else stats.kv_blocks_free) / total
         return queued / slots + kv_used
 
 
-def fresh_stats(stats: dict[str, Any] | None, now: float | None = None) -> dict[str, Any] | None:
-    if not stats or "time" not in stats:
+def fresh_stats(stats: ReplicaStats | None, now: float | None = None) -> ReplicaStats | None:
+    """``stats`` if it is recent enough to rank by (a report without a time never is), else None."""
+    if stats is None or not stats.time:
         return None
-    return stats if (now or time.time()) - stats["time"] <= MAX_STATS_AGE_S else None
+    return stats if (now or time.time()) - stats.time <= MAX_STATS_AGE_S else None
 
 
 class RoutingPolicy:
@@ -59,6 +62,17 @@ class RoutingPolicy:
         self._round_robin = itertools.count()
         self.prefix_index = PrefixIndex()
 
+    def choose(self, candidates: Sequence[tuple[str, int, ReplicaStats | None]],
+               request: GenerateRequest | None = None, now: float | None = None) -> list[str]:
+        """The replicas for ``request`` best first, by id: what both the Serve request router
+        (``request_router.py``) and the router's choice of a connection (``replica_client.py``) ask, each with its
+        candidates as (replica id, this router's requests on it, its latest stats)."""
+        now = time.time() if now is None else now
+        loads = [ReplicaLoad(replica_id, in_flight, fresh_stats(stats, now))
+                 for replica_id, in_flight, stats in candidates]
+        hashes = request_block_hashes(self, request, [stats for _, _, stats in candidates])
+        return [load.replica_id for load in self.rank(loads, hashes)]
+
     def rank(self, loads: Sequence[ReplicaLoad], block_hashes: Sequence[int] | None = None) -> list[ReplicaLoad]:
         """Replicas best first for one request; ``block_hashes``: its prompt's (``prompt_block_hashes``),
         for prefix affinity."""
@@ -67,7 +81,7 @@ class RoutingPolicy:
         # A replica without a fresh report (just started) is scored on the same scale as its peers: in flight per
         # batch slot, as many slots as theirs. Scored per request instead, it would look several times as loaded
         # as a reporting replica with the same requests, and a burst would skip it.
-        slots = max((load.stats.get("max_num_seqs", 1) for load in loads if load.stats), default=1)
+        slots = max((load.stats.max_num_seqs for load in loads if load.stats), default=1)
         for load in loads:
             load.slots_if_unknown = max(1, slots)
         by_load = sorted(loads, key=lambda r: (r.score(), self._rng.random()))
@@ -96,7 +110,7 @@ class RoutingPolicy:
         mean = sum(r.score() for r in loads) / len(loads)
         overloaded = best.score() > self.load_cap * mean + 1.0 / max(1, len(loads))
         home = best if matched[best.replica_id] and not overloaded else by_load[0]
-        capacity = (home.stats or {}).get("kv_blocks_total", DEFAULT_INDEX_BLOCKS)
+        capacity = home.stats.kv_blocks_total if home.stats else DEFAULT_INDEX_BLOCKS
         self.prefix_index.record(home.replica_id, block_hashes, capacity)
         return [home] + [r for r in by_load if r is not home]
 
@@ -136,22 +150,23 @@ class PrefixIndex:
             del self._sent[replica_id]
 
 
-def prompt_block_hashes(token_ids: Sequence[int] | None, stats: Sequence[dict[str, Any] | None],
+def prompt_block_hashes(token_ids: Sequence[int] | None, stats: Sequence[ReplicaStats | None],
                         cache_salt: str | None = None) -> list[int]:
     """The prompt's leading block hashes at the replicas' block size (from their reports; every replica of a
     deployment runs the same engine configuration), salted as the engine salts them, or none when no replica
     has reported it yet."""
-    block_size = next((s["block_size"] for s in stats if s and s.get("block_size")), None)
+    block_size = next((s.block_size for s in stats if s and s.block_size), None)
     if not token_ids or block_size is None:
         return []
     return block_hashes(token_ids, block_size, MAX_HASHED_BLOCKS, salted_root(cache_salt))
 
 
-def request_block_hashes(policy: RoutingPolicy, request: Any, stats: Sequence[dict[str, Any] | None]) -> list[int] | None:
-    """What ``RoutingPolicy.rank`` needs of a replica request (the router's payload) under its policy: the prompt's
-    block hashes for prefix affinity, salted by its cache salt and tenant as the engine salts them; else None."""
-    if policy.policy != "prefix_affinity" or not isinstance(request, dict):
+def request_block_hashes(policy: RoutingPolicy, request: Any,
+                         stats: Sequence[ReplicaStats | None]) -> list[int] | None:
+    """What ``RoutingPolicy.rank`` needs of a replica request under its policy: the prompt's block hashes for
+    prefix affinity, salted by its cache salt and tenant as the engine salts them; else None."""
+    if policy.policy != "prefix_affinity" or not isinstance(request, GenerateRequest):
         return None
-    params = request.get("params", {})
-    return prompt_block_hashes(request.get("prompt_token_ids"), stats,
+    params = request.params
+    return prompt_block_hashes(request.prompt_token_ids, stats,
                                request_salt(params.get("cache_salt"), params.get("tenant")))

@@ -17,9 +17,11 @@ elsewhere (the router's migration).
 
 The router listens (``StreamInbox``) on its node's address with a random secret. A replica connects
 (``StreamOutbox``), says the secret and its replica id, then sends ``[[key, message], ...]`` frames: key 0 for
-its own news (its stats every ``routing_stats_period_s``, at most ``HEARTBEAT_S``, which are also its load for
-routing; that it is draining), other keys for one request's chunks. The router sends ``[[op, payload], ...]``: ``["generate", request]`` (the request
-names its key) and ``["abort", key]``. Messages for a key the router no longer expects are dropped.
+its own news (its ``ReplicaStats`` every ``routing_stats_period_s``, at most ``HEARTBEAT_S``, which are also its
+load for routing; ``Draining``), other keys for one request's messages (``serve_app.messages``). The router sends
+``[[op, payload], ...]``: ``["generate", request]`` (a ``GenerateRequest``, whose route names its key) and
+``["abort", key]``. Messages travel in their plain form (``messages.to_plain``), converted here at both ends:
+the callers on either side see typed messages only. Messages for a key the router no longer expects are dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import time
 from typing import Any, Callable
 
 import msgpack
+
+from inflight.serve_app.messages import Draining, GenerateRequest, Message, ReplicaStats, Route, from_plain
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,6 +67,7 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
 
 
 _READ_ERRORS = (asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError, msgpack.UnpackException)
+GENERATE, ABORT = "generate", "abort"  # the router's ops
 
 
 class StreamLost(ConnectionError):
@@ -73,7 +78,7 @@ class End:
     """In a stream's queue after its messages: how it ended (an error, or a last message of the Serve call's own)."""
     __slots__ = ("error", "message")
 
-    def __init__(self, error: BaseException | None, message: dict[str, Any] | None = None) -> None:
+    def __init__(self, error: BaseException | None, message: Message | None = None) -> None:
         self.error, self.message = error, message
 
 
@@ -120,7 +125,7 @@ class ReplicaLink(_Writer):
         self.replica_id = replica_id
         self.writer = writer
         self.keys: set[int] = set()  # requests sent on it and not yet closed: its in-flight count
-        self.stats: dict[str, Any] | None = None  # the replica's latest report
+        self.stats: ReplicaStats | None = None  # the replica's latest report
         self.draining = False
         self.closed = False
         self.last_heard = time.monotonic()
@@ -129,12 +134,12 @@ class ReplicaLink(_Writer):
     def routable(self) -> bool:
         return not (self.closed or self.draining or self.broken)
 
-    def generate(self, request: dict[str, Any]) -> None:
-        self._queue(["generate", request])
+    def generate(self, request: GenerateRequest) -> None:
+        self._queue([GENERATE, request.to_plain()])
 
     def abort(self, key: int) -> None:
         if not self.broken:
-            self._queue(["abort", key])
+            self._queue([ABORT, key])
 
 
 class StreamInbox:
@@ -161,12 +166,12 @@ class StreamInbox:
         self.port = self._server.sockets[0].getsockname()[1]
 
     @property
-    def address(self) -> dict[str, Any]:
-        """Where a replica connects: what ``LLMReplica.connect`` and a Serve call's ``route`` carry."""
-        return {"host": self.host, "port": self.port, "secret": self.secret}
+    def address(self) -> Route:
+        """Where a replica connects (what ``LLMReplica.connect`` is told; a request's ``route`` adds its key)."""
+        return Route(self.host, self.port, self.secret, NEWS_KEY)
 
-    def open(self, link: ReplicaLink | None = None) -> tuple[dict[str, Any], asyncio.Queue]:
-        """A new stream: (the route a replica sends it by, the queue its chunks arrive in); ``link``: the
+    def open(self, link: ReplicaLink | None = None) -> tuple[Route, asyncio.Queue]:
+        """A new stream: (the route a replica sends it by, the queue its messages arrive in); ``link``: the
         connection it is sent on, whose loss ends it."""
         key = next(self._keys)
         queue: asyncio.Queue = asyncio.Queue()
@@ -174,20 +179,20 @@ class StreamInbox:
         if link is not None:
             self._link_of[key] = link
             link.keys.add(key)
-        return {**self.address, "key": key}, queue
+        return Route(self.host, self.port, self.secret, key), queue
 
-    def attach(self, route: dict[str, Any], replica_id: str) -> None:
+    def attach(self, route: Route, replica_id: str) -> None:
         """A stream opened for a Serve call, now that its replica is known (its first message says): counted on
         that replica's link like the requests sent down it (routing sees every request a replica holds), and
         ended with the link if the link is lost."""
-        key = route["key"]
+        key = route.key
         link = self.links.get(replica_id)
         if link is not None and not link.closed and key in self._queues and key not in self._link_of:
             self._link_of[key] = link
             link.keys.add(key)
 
-    def close(self, route: dict[str, Any]) -> None:
-        key = route["key"]
+    def close(self, route: Route) -> None:
+        key = route.key
         self._queues.pop(key, None)
         link = self._link_of.pop(key, None)
         if link is not None:
@@ -248,11 +253,11 @@ class StreamInbox:
                 link.last_heard = time.monotonic()
                 for key, message in frame:
                     if key == NEWS_KEY:
-                        self._news(link, message)
+                        self._news(link, from_plain(message))
                         continue
                     queue = queues.get(key)
                     if queue is not None:
-                        queue.put_nowait(message)
+                        queue.put_nowait(from_plain(message))
         except _READ_ERRORS:
             pass  # the replica went away, or sent garbage
         finally:
@@ -262,25 +267,24 @@ class StreamInbox:
                 self._lose(link, "its replica's connection to this router was cut")
 
     @staticmethod
-    def _news(link: ReplicaLink, news: dict[str, Any]) -> None:
-        if "stats" in news:
-            link.stats = news["stats"]
-        if news.get("draining"):
+    def _news(link: ReplicaLink, news: Message) -> None:
+        if type(news) is ReplicaStats:
+            link.stats = news
+        elif type(news) is Draining:
             link.draining = True
 
 
 class ReplicaConnection(_Writer):
-    """The replica's end of one connection to a router: chunks go up it (``send``), requests come down it
-    (handed to ``on_frame``)."""
+    """The replica's end of one connection to a router: messages go up it (``send``), requests come down it
+    (``on_frame`` gets each ``(op, payload)``: a ``GenerateRequest``, or the key to abort)."""
 
-    def __init__(self, address: dict[str, Any], replica_id: str,
-                 on_frame: Callable[["ReplicaConnection", list], None] | None,
+    def __init__(self, address: Route, replica_id: str,
+                 on_frame: Callable[["ReplicaConnection", str, Any], None] | None,
                  on_close: Callable[["ReplicaConnection"], None] | None) -> None:
         super().__init__()
         self.tasks: dict[int, asyncio.Task] = {}  # the requests that came on it, by key (the replica's to fill)
         self._on_frame, self._on_close = on_frame, on_close
-        self.opened = asyncio.ensure_future(self._open(address["host"], address["port"], address["secret"],
-                                                       replica_id))
+        self.opened = asyncio.ensure_future(self._open(address.host, address.port, address.secret, replica_id))
 
     async def _open(self, host: str, port: int, secret: str, replica_id: str) -> None:
         try:
@@ -297,7 +301,8 @@ class ReplicaConnection(_Writer):
             while True:
                 frame = await read_frame(reader)
                 if self._on_frame is not None:
-                    self._on_frame(self, frame)
+                    for op, payload in frame:
+                        self._on_frame(self, op, from_plain(payload) if op == GENERATE else payload)
         except _READ_ERRORS as e:
             self.error = self.error or e
         finally:
@@ -305,8 +310,8 @@ class ReplicaConnection(_Writer):
             if self._on_close is not None:
                 self._on_close(self)
 
-    def send(self, key: int, message: dict[str, Any]) -> None:
-        self._queue([key, message])
+    def send(self, key: int, message: Message) -> None:
+        self._queue([key, message.to_plain()])
 
     async def drain(self) -> None:
         """Until everything sent so far is handed to the socket (the stream's end may then be reported)."""
@@ -326,17 +331,17 @@ class StreamOutbox:
     request through Serve, replaced when broken."""
 
     def __init__(self, replica_id: str = "local",
-                 on_frame: Callable[[ReplicaConnection, list], None] | None = None,
+                 on_frame: Callable[[ReplicaConnection, str, Any], None] | None = None,
                  on_close: Callable[[ReplicaConnection], None] | None = None,
-                 greeting: Callable[[], dict[str, Any]] | None = None) -> None:
+                 greeting: Callable[[], Message] | None = None) -> None:
         """``greeting``: the news a new connection carries first (the replica's stats, so that the router ranks it
         with the others from the start rather than a heartbeat later)."""
         self.replica_id = replica_id
         self._on_frame, self._on_close, self._greeting = on_frame, on_close, greeting
         self._connections: dict[tuple[str, int, str], ReplicaConnection] = {}
 
-    def connection(self, route: dict[str, Any]) -> ReplicaConnection:
-        where = (route["host"], route["port"], route["secret"])
+    def connection(self, route: Route) -> ReplicaConnection:
+        where = (route.host, route.port, route.secret)
         connection = self._connections.get(where)
         if connection is None or connection.broken:
             # routers come and go (redeploys, restarts): forget the connections to those that went
@@ -348,7 +353,7 @@ class StreamOutbox:
                 connection.send(NEWS_KEY, self._greeting())
         return connection
 
-    def tell_all(self, news: dict[str, Any]) -> None:
+    def tell_all(self, news: Message) -> None:
         """``news`` (stats, draining) to every router connected."""
         for connection in self._connections.values():
             if connection.writer is not None and not connection.broken:

@@ -25,6 +25,7 @@ def main() -> None:
 
     from inflight.serve_app.app import make_app
     from inflight.serve_app.config import AppConfig
+    from inflight.serve_app.messages import GenerateRequest
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     params = dict(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
@@ -36,10 +37,9 @@ def main() -> None:
 
         async def one(i: int) -> int:
             tokens = 0
-            request = {"kind": "completion", "request_id": f"r{i}-{time.time()}", "prompt": [7 + i] * 64,
-                       "params": params}
-            async for chunk in handle.generate.remote(request):
-                tokens += sum(len(c["token_ids"]) for c in chunk.get("choices", []))
+            request = GenerateRequest(f"r{i}-{time.time()}", "completion", params, prompt=[7 + i] * 64)
+            async for message in handle.generate.remote(request):
+                tokens += sum(len(c.token_ids) for c in getattr(message, "choices", ()))
             return tokens
 
         async def run() -> float:

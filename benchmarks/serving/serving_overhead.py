@@ -142,7 +142,7 @@ def start_server(threads: int, no_work: bool, max_messages_per_s: float | None, 
     from inflight.serve_app.app import make_app
     from inflight.serve_app.config import AppConfig
     from inflight.serve_app.cpu_plan import cpus_left
-    from inflight.serve_app.ingress import wait_for_router_url
+    from inflight.serve_app.ports import wait_for_router_url
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rest = cpus_left(parse_cpu_list(engine_cpus)) if engine_cpus else None

@@ -131,9 +131,10 @@ def test_cache_salts_keep_requests_apart():
 
 def test_the_router_hashes_a_salted_prompt_as_the_engine_does():
     from inflight.engine.block_hash import block_hashes, salted_root
+    from inflight.serve_app.messages import ReplicaStats
     from inflight.serve_app.routing import prompt_block_hashes
 
-    stats = [{"block_size": 4}]
+    stats = [ReplicaStats(block_size=4)]
     assert prompt_block_hashes(SYSTEM, stats) == block_hashes(SYSTEM, 4, 64)
     salted = prompt_block_hashes(SYSTEM, stats, "tenant:a")
     assert salted == block_hashes(SYSTEM, 4, 64, salted_root("tenant:a"))

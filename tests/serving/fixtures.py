@@ -20,7 +20,7 @@ os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray >= 2.59 turns token auth on for 
 import httpx
 import pytest
 
-from inflight.serve_app.ingress import wait_for_router_url
+from inflight.serve_app.ports import wait_for_router_url
 from tests.serving.apps import DEMO_APP_ARGS, deploy_app
 from tests.serving.helpers import HOST, HTTP_PORT, METRICS_PORT, port_free, wait_idle
 

@@ -21,7 +21,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from inflight.serve_app.ingress import port_free  # noqa: F401  (the fixtures' check, shared with inflight serve)
+from inflight.serve_app.ports import port_free  # noqa: F401  (the fixtures' check, shared with inflight serve)
 
 HOST = "127.0.0.1"
 HTTP_PORT = 8000

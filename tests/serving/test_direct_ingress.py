@@ -2,7 +2,7 @@
 
 The test cluster keeps Serve's proxy on :8000 (the other serving tests go through it, as a cluster's clients do)
 and starts Ray with the same settings as ``make run`` otherwise, so each router also serves on a port of its own
-(``serve_app.ingress``). Here the shared demo app is driven on that port: the same answers as through the proxy,
+(``serve_app.ports``). Here the shared demo app is driven on that port: the same answers as through the proxy,
 the same errors (a client that leaves it frees its request: test_cancellation, on both entry points).
 """
 
@@ -67,7 +67,7 @@ def test_a_restarted_router_binds_its_port_over_the_last_ones_closed_connections
     from ray.serve._private import replica as serve_replica
     from ray.serve.config import HTTPOptions
 
-    from inflight.serve_app.ingress import reclaim_own_port_at_restart
+    from inflight.serve_app.ports import reclaim_own_port_at_restart
 
     port = _port_in_time_wait()
     plain = socket.socket()

@@ -18,6 +18,7 @@ import asyncio
 import pytest
 
 from inflight.engine import LLM, SamplingParams
+from inflight.serve_app.messages import GenerateRequest, Started
 from inflight.serve_app.replica import LLMReplica
 from tests.engine.helpers import LockstepEngine
 
@@ -42,18 +43,18 @@ def test_a_first_token_without_text_does_not_hold_back_the_text_behind_it():
     prompt, expected = _prompt_whose_first_token_shows_nothing()
     assert expected  # the text comes with later tokens
 
-    async def messages() -> list[dict]:
+    async def messages() -> list:
         replica = LLMReplica("demo-tiny", ENGINE_ARGS, max_messages_per_s=1e-3, engine_cls=LockstepEngine)
-        request = {"kind": "completion", "request_id": "paced", "prompt": prompt,
-                   "params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}
+        request = GenerateRequest("paced", "completion", {"max_tokens": MAX_TOKENS, "temperature": 0,
+                                                          "ignore_eos": True}, prompt=prompt)
         try:
             return [message async for message in replica.generate(request)]
         finally:
             await replica.engine.shutdown()
 
     got = asyncio.run(messages())
-    texts = [message["choices"][0]["text"] for message in got]
-    assert texts[0] == "" and got[0]["started"]  # the first token went at once, with nothing to show
+    texts = [message.choices[0].text for message in got]
+    assert texts[0] == "" and isinstance(got[0], Started)  # the first token went at once, with nothing to show
     first_text = next(i for i, text in enumerate(texts) if text)
     assert first_text < len(got) - 1, texts  # the first text went when it came, not after the window
-    assert "".join(texts) == expected and got[-1]["finished"]
+    assert "".join(texts) == expected and got[-1].finished

@@ -30,6 +30,7 @@ from ray.serve._private.request_router.common import PendingRequest
 
 from inflight.engine.block_hash import block_hashes
 from inflight.serve_app import request_router
+from inflight.serve_app.messages import GenerateRequest
 from inflight.serve_app.request_router import LLMRequestRouter
 from tests.engine.helpers import HandClock
 
@@ -57,7 +58,8 @@ def running_replica(name: str, running: int = 0, max_num_seqs: int = 8):
 
 def pending(i: int, prompt: list[int] | None = None) -> PendingRequest:
     metadata = RequestMetadata(request_id=f"req-{i}", internal_request_id=f"internal-{i}", call_method="generate")
-    return PendingRequest(args=[{"kind": "completion", "prompt_token_ids": prompt or [1, 2, 3]}], kwargs={},
+    return PendingRequest(args=[GenerateRequest(f"cmpl-{i}", "completion", {}, prompt_token_ids=prompt or [1, 2, 3])],
+                          kwargs={},
                           metadata=metadata)
 
 

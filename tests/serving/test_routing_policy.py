@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -10,6 +11,7 @@ from inflight.engine.block_hash import block_hashes
 from inflight.serve_app import admission, routing
 from inflight.serve_app.admission import AdmissionController, DrainRate
 from inflight.serve_app.errors import OverloadedError
+from inflight.serve_app.messages import ReplicaStats
 from inflight.serve_app.routing import (
     MAX_STATS_AGE_S,
     POLICIES,
@@ -33,9 +35,9 @@ def frozen_clock(monkeypatch):
 
 
 def stats(running: int = 0, waiting: int = 0, kv_free: int = 100, kv_total: int = 100, max_num_seqs: int = 8,
-          age_s: float = 0.0) -> dict:
-    return {"num_running": running, "num_waiting": waiting, "kv_blocks_free": kv_free, "kv_blocks_total": kv_total,
-            "max_num_seqs": max_num_seqs, "time": NOW - age_s}
+          age_s: float = 0.0) -> ReplicaStats:
+    return ReplicaStats(num_running=running, num_waiting=waiting, kv_blocks_free=kv_free, kv_blocks_total=kv_total,
+                        max_num_seqs=max_num_seqs, time=NOW - age_s)
 
 
 def load(replica_id: str, in_flight: int = 0, **kw) -> ReplicaLoad:
@@ -84,14 +86,14 @@ def test_stale_stats_are_ignored():
     old = stats(running=8, waiting=20, kv_free=0, age_s=MAX_STATS_AGE_S + 0.5)
     assert fresh_stats(old) is None
     assert fresh_stats(stats(age_s=MAX_STATS_AGE_S - 0.3)) is not None
-    assert fresh_stats({"num_running": 0}) is None  # no timestamp: cannot be trusted
+    assert fresh_stats(ReplicaStats(num_running=0)) is None  # no timestamp: cannot be trusted
     assert fresh_stats(None) is None
     # A stale report of heavy load must not keep traffic away: only the in-flight count (0) counts.
     loads = [ReplicaLoad("busy-long-ago", 0, fresh_stats(old)),
              ReplicaLoad("some-load-now", 0, fresh_stats(stats(running=2)))]
     assert first(RoutingPolicy("least_loaded", seed=0), loads) == "busy-long-ago"
     # ...while a fresh report of the same load does.
-    loads[0] = ReplicaLoad("busy-long-ago", 0, fresh_stats({**old, "time": NOW}))
+    loads[0] = ReplicaLoad("busy-long-ago", 0, fresh_stats(dataclasses.replace(old, time=NOW)))
     assert first(RoutingPolicy("least_loaded", seed=0), loads) == "some-load-now"
 
 
@@ -186,9 +188,9 @@ def test_prefix_index_is_bounded_and_forgets_departed_replicas():
 
 def test_prompt_block_hashes_use_the_replicas_block_size():
     tokens = list(range(40))
-    assert prompt_block_hashes(tokens, [None, {"block_size": 16}]) == block_hashes(tokens, 16)
-    assert prompt_block_hashes(tokens, [{"num_running": 0}]) == []  # no report yet
-    assert prompt_block_hashes(None, [{"block_size": 16}]) == []
+    assert prompt_block_hashes(tokens, [None, ReplicaStats(block_size=16)]) == block_hashes(tokens, 16)
+    assert prompt_block_hashes(tokens, [ReplicaStats(num_running=0)]) == []  # no report yet
+    assert prompt_block_hashes(None, [ReplicaStats(block_size=16)]) == []
 
 
 def test_policy_edge_cases():

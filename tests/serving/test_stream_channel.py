@@ -16,16 +16,22 @@ import httpx
 import pytest
 
 from inflight.serve_app import stream_channel
+from inflight.serve_app.messages import (Choice, Chunk, Draining, Finished, GenerateRequest, ReplicaStats, Route,
+                                         Started)
+from inflight.serve_app.replica_streams import ChannelStream, LinkStream, ReplicaDraining
 from inflight.serve_app.stream_channel import StreamInbox, StreamOutbox, pack_frame
 from tests.serving.helpers import completion_body, get_stats, parse_sse, post_stream, wait_for_stats
 
 pytestmark = pytest.mark.timeout(60, func_only=True)
 
 
-def _chunk(text: str, finished: bool = False) -> dict:
-    return {"choices": [{"index": 0, "text": text, "token_ids": [1, 2], "finish_reason": None,
-                         "stop_reason": None, "logprobs": [{"token": "a", "logprob": -0.5, "top": [("a", -0.5)]}]}],
-            "finished": finished}
+def _chunk(text: str, finished: bool = False) -> Chunk | Finished:
+    choices = (Choice(0, text, [1, 2], logprobs=[{"token": "a", "logprob": -0.5, "top": [("a", -0.5)]}]),)
+    return Finished(choices) if finished else Chunk(choices)
+
+
+def _request(prompt: str | list[int]) -> GenerateRequest:
+    return GenerateRequest("cmpl-test", "completion", {}, prompt=prompt)
 
 
 async def _started_inbox() -> StreamInbox:
@@ -73,8 +79,8 @@ def test_chunks_reach_their_streams_in_order_and_one_turn_makes_one_frame(monkey
         await connection.drain()  # connected and said the secret
         frames.clear()
         for i in range(3):  # one turn of the loop: both streams' chunks
-            connection.send(route_a["key"], _chunk(f"a{i}"))
-            connection.send(route_b["key"], _chunk(f"b{i}"))
+            connection.send(route_a.key, _chunk(f"a{i}"))
+            connection.send(route_b.key, _chunk(f"b{i}"))
         await connection.drain()
         got_a = [await asyncio.wait_for(queue_a.get(), 5) for _ in range(3)]
         got_b = [await asyncio.wait_for(queue_b.get(), 5) for _ in range(3)]
@@ -82,9 +88,9 @@ def test_chunks_reach_their_streams_in_order_and_one_turn_makes_one_frame(monkey
         return got_a, got_b
 
     got_a, got_b = asyncio.run(main())
-    assert [c["choices"][0]["text"] for c in got_a] == ["a0", "a1", "a2"]
-    assert [c["choices"][0]["text"] for c in got_b] == ["b0", "b1", "b2"]
-    assert got_a[0]["choices"][0]["logprobs"][0]["top"] == [["a", -0.5]]  # msgpack: pairs come back as lists
+    assert [c.choices[0].text for c in got_a] == ["a0", "a1", "a2"]
+    assert [c.choices[0].text for c in got_b] == ["b0", "b1", "b2"]
+    assert got_a[0].choices[0].logprobs[0]["top"] == [["a", -0.5]]  # msgpack: pairs come back as lists
     assert len(frames) == 1 and len(frames[0]) == 6
 
 
@@ -94,12 +100,12 @@ def test_a_chunk_goes_out_in_the_turn_it_was_sent_without_waiting_for_the_stream
         route, queue = inbox.open()
         connection = StreamOutbox().connection(route)
         await connection.drain()  # connected
-        connection.send(route["key"], _chunk("now"))  # no drain: the replica drains only at a stream's end
+        connection.send(route.key, _chunk("now"))  # no drain: the replica drains only at a stream's end
         got = await asyncio.wait_for(queue.get(), 2)
         await inbox.stop()
         return got
 
-    assert asyncio.run(main())["choices"][0]["text"] == "now"
+    assert asyncio.run(main()).choices[0].text == "now"
 
 
 def test_a_closed_stream_gets_nothing_and_the_others_go_on():
@@ -108,8 +114,8 @@ def test_a_closed_stream_gets_nothing_and_the_others_go_on():
         (route_a, queue_a), (route_b, queue_b) = inbox.open(), inbox.open()
         inbox.close(route_a)  # cancelled: a late replica's chunks for it are dropped
         connection = StreamOutbox().connection(route_b)
-        connection.send(route_a["key"], _chunk("late"))
-        connection.send(route_b["key"], _chunk("kept", finished=True))
+        connection.send(route_a.key, _chunk("late"))
+        connection.send(route_b.key, _chunk("kept", finished=True))
         await connection.drain()
         got = await asyncio.wait_for(queue_b.get(), 5)
         await asyncio.sleep(0.05)
@@ -118,7 +124,7 @@ def test_a_closed_stream_gets_nothing_and_the_others_go_on():
         return got, queue_a.qsize(), inbox.num_open
 
     got, late, num_open = asyncio.run(main())
-    assert got["choices"][0]["text"] == "kept" and got["finished"]
+    assert got.choices[0].text == "kept" and got.finished
     assert late == 0 and num_open == 0
 
 
@@ -127,7 +133,7 @@ def test_a_connection_without_the_secret_is_closed_and_delivers_nothing():
         inbox = await _started_inbox()
         route, queue = inbox.open()
         reader, writer = await asyncio.open_connection("127.0.0.1", inbox.port)
-        writer.write(pack_frame("not the secret") + pack_frame([[route["key"], _chunk("forged")]]))
+        writer.write(pack_frame("not the secret") + pack_frame([[route.key, _chunk("forged").to_plain()]]))
         await writer.drain()
         closed = await asyncio.wait_for(reader.read(), 5) == b""  # the router hung up
         forged = await asyncio.wait_for(OversizedFrame.send(inbox, route), 5)
@@ -141,7 +147,7 @@ def test_a_connection_without_the_secret_is_closed_and_delivers_nothing():
 
 class OversizedFrame:
     @staticmethod
-    async def send(inbox: StreamInbox, route: dict) -> bool:
+    async def send(inbox: StreamInbox, route: Route) -> bool:
         """With the secret, then a length beyond MAX_FRAME_BYTES: the router hangs up rather than buffer it."""
         reader, writer = await asyncio.open_connection("127.0.0.1", inbox.port)
         writer.write(pack_frame({"secret": inbox.secret, "replica_id": "r"})
@@ -160,7 +166,7 @@ def test_a_replica_whose_router_is_gone_fails_its_stream_and_reconnects_for_the_
         await inbox.stop()  # the router's process went away: its connections are closed
         with pytest.raises(ConnectionError):
             for _ in range(50):  # the close reaches the replica's side within a few sends
-                first.send(route["key"], _chunk("x" * 100_000))
+                first.send(route.key, _chunk("x" * 100_000))
                 await first.drain()
                 await asyncio.sleep(0.02)
         assert first.broken
@@ -168,13 +174,13 @@ def test_a_replica_whose_router_is_gone_fails_its_stream_and_reconnects_for_the_
         route2, queue2 = second_inbox.open()
         second = outbox.connection(route2)
         assert second is not first and len(outbox) == 1  # the broken connection was forgotten
-        second.send(route2["key"], _chunk("again"))
+        second.send(route2.key, _chunk("again"))
         await second.drain()
         got = await asyncio.wait_for(queue2.get(), 5)
         await second_inbox.stop()
         return got
 
-    assert asyncio.run(main())["choices"][0]["text"] == "again"
+    assert asyncio.run(main()).choices[0].text == "again"
 
 
 class _Call:
@@ -197,22 +203,21 @@ class _Replicas:
         self.calls: list[_Call] = []
         self.generate = self
 
-    def remote(self, request: dict) -> _Call:
+    def remote(self, request: GenerateRequest) -> _Call:
         self.calls.append(_Call())
         return self.calls[-1]
 
 
 def test_the_router_cancels_a_call_only_while_its_request_can_still_run():
-    from inflight.serve_app.router import _ChannelStream
 
     async def main():
         inbox = await _started_inbox()
         replicas = _Replicas()
-        done, running, ended = (_ChannelStream(replicas, inbox, {"prompt": [1]}) for _ in range(3))
+        done, running, ended = (ChannelStream(replicas, inbox, _request([1])) for _ in range(3))
         connection = StreamOutbox().connection(done.route)
-        connection.send(done.route["key"], _chunk("last", finished=True))
+        connection.send(done.route.key, _chunk("last", finished=True))
         await connection.drain()
-        assert (await asyncio.wait_for(done.__anext__(), 5))["finished"]
+        assert (await asyncio.wait_for(done.__anext__(), 5)).finished
         replicas.calls[2].ended.set()  # a call that ended before its messages were read
         await asyncio.sleep(0.01)
         for stream in (done, running, ended):  # as the router does when a response ends, however it ends
@@ -235,7 +240,8 @@ def test_the_server_streams_through_the_channel_and_a_stranger_cannot_speak_on_i
     stranger = socket.create_connection((channel["host"], channel["port"]), timeout=5)
     hung_up = False
     try:
-        stranger.sendall(pack_frame({"secret": "guess", "replica_id": "x"}) + pack_frame([[key, _chunk("forged")] for key in range(1, 10_000)]))
+        stranger.sendall(pack_frame({"secret": "guess", "replica_id": "x"})
+                         + pack_frame([[key, _chunk("forged").to_plain()] for key in range(1, 10_000)]))
     except (ConnectionResetError, BrokenPipeError):  # the router hung up before the kernel had taken it all
         hung_up = True
     with httpx.Client(timeout=60) as client:
@@ -263,13 +269,12 @@ class _FakeReplica:
         self.aborted: list[int] = []
         self.outbox = StreamOutbox(replica_id, on_frame=self.on_frame, on_close=self.on_close)
 
-    def on_frame(self, connection, frame) -> None:
-        for op, payload in frame:
-            if op == "generate":
-                key = payload["route"]["key"]
-                connection.tasks[key] = asyncio.ensure_future(self.run(connection, key, payload))
-            elif op == "abort":
-                connection.tasks[payload].cancel()
+    def on_frame(self, connection, op, payload) -> None:
+        if op == stream_channel.GENERATE:
+            key = payload.route.key
+            connection.tasks[key] = asyncio.ensure_future(self.run(connection, key, payload))
+        else:
+            connection.tasks[payload].cancel()
 
     def on_close(self, connection) -> None:
         for task in connection.tasks.values():
@@ -295,23 +300,22 @@ async def _linked(inbox: StreamInbox, replica: _FakeReplica):
 
 
 def test_a_request_sent_down_a_link_streams_back_and_an_abort_stops_it_there():
-    from inflight.serve_app.router import _LinkStream
 
     def answer(request):
         for i in range(1000):
-            yield _chunk(f"{request['prompt']}{i}")
+            yield _chunk(f"{request.prompt}{i}")
 
     async def main():
         inbox = await _started_inbox()
         replica = _FakeReplica("r1", answer)
         link, _ = await _linked(inbox, replica)
-        stream = _LinkStream(link, inbox, {"prompt": "p"})
-        got = [(await asyncio.wait_for(stream.__anext__(), 5))["choices"][0]["text"] for _ in range(3)]
+        stream = LinkStream(link, inbox, _request("p"))
+        got = [(await asyncio.wait_for(stream.__anext__(), 5)).choices[0].text for _ in range(3)]
         in_flight = len(link.keys)
         stream.cancel()
         await _wait_until(lambda: replica.aborted)
         await inbox.stop()
-        return got, in_flight, replica.aborted, stream.route["key"], len(link.keys)
+        return got, in_flight, replica.aborted, stream.route.key, len(link.keys)
 
     got, in_flight, aborted, key, left = asyncio.run(main())
     assert got == ["p0", "p1", "p2"]
@@ -323,7 +327,6 @@ def test_a_reader_cancelled_while_it_waits_for_the_next_message_still_aborts_the
     """A client gone mid-stream cancels the router's reader wherever it is: often while it waits for the replica's
     next message (``__anext__``, which closes the stream's route when it fails). The request must still be aborted
     on the replica, not left generating to its last token with nobody reading."""
-    from inflight.serve_app.router import _LinkStream
 
     class _Busy(_FakeReplica):  # one message, then a long computation before the next
         async def run(self, connection, key, request) -> None:
@@ -338,7 +341,7 @@ def test_a_reader_cancelled_while_it_waits_for_the_next_message_still_aborts_the
         inbox = await _started_inbox()
         replica = _Busy("r1", None)
         link, _ = await _linked(inbox, replica)
-        stream = _LinkStream(link, inbox, {"prompt": "p"})
+        stream = LinkStream(link, inbox, _request("p"))
         await asyncio.wait_for(stream.__anext__(), 5)
         reader = asyncio.ensure_future(stream.__anext__())  # waits: the replica sends nothing for a while
         await asyncio.sleep(0.05)
@@ -349,7 +352,7 @@ def test_a_reader_cancelled_while_it_waits_for_the_next_message_still_aborts_the
         await _wait_until(lambda: replica.aborted)
         aborted = list(replica.aborted)  # before the inbox stops: closing the connection would cancel it anyway
         await inbox.stop()
-        return aborted, stream.route["key"], len(link.keys)
+        return aborted, stream.route.key, len(link.keys)
 
     aborted, key, left = asyncio.run(main())
     assert aborted == [key], "the abandoned request was not aborted on the replica"
@@ -357,13 +360,12 @@ def test_a_reader_cancelled_while_it_waits_for_the_next_message_still_aborts_the
 
 
 def test_a_link_lost_ends_its_streams_with_stream_lost_and_is_no_longer_routable():
-    from inflight.serve_app.router import _LinkStream
 
     async def main():
         inbox = await _started_inbox()
         replica = _FakeReplica("r1", lambda request: iter([_chunk("first")]))  # and then the replica is gone
         link, connection = await _linked(inbox, replica)
-        stream = _LinkStream(link, inbox, {"prompt": "p"})
+        stream = LinkStream(link, inbox, _request("p"))
         first = await asyncio.wait_for(stream.__anext__(), 5)
         connection.writer.close()  # the replica's process dies: the kernel closes its sockets
         with pytest.raises(stream_channel.StreamLost):
@@ -373,27 +375,26 @@ def test_a_link_lost_ends_its_streams_with_stream_lost_and_is_no_longer_routable
         return first, routable, inbox.num_open
 
     first, routable, num_open = asyncio.run(main())
-    assert first["choices"][0]["text"] == "first"
+    assert first.choices[0].text == "first"
     assert routable == [] and num_open == 0
 
 
 def test_a_silent_link_is_lost_and_a_draining_one_takes_no_new_request():
-    from inflight.serve_app.router import ReplicaDraining, _LinkStream
 
     async def main():
         inbox = await _started_inbox()
         quiet = _FakeReplica("quiet", lambda request: iter(()))  # takes the request, never answers
-        draining = _FakeReplica("draining", lambda request: iter([{"draining": True}]))
+        draining = _FakeReplica("draining", lambda request: iter([Draining()]))
         quiet_link, _ = await _linked(inbox, quiet)
         draining_link, draining_connection = await _linked(inbox, draining)
-        draining_connection.send(stream_channel.NEWS_KEY, {"stats": {"num_running": 3, "time": 1.0}})
+        draining_connection.send(stream_channel.NEWS_KEY, ReplicaStats(num_running=3, time=1.0))
         await draining_connection.drain()
-        stream = _LinkStream(quiet_link, inbox, {"prompt": "p"})
-        refused = _LinkStream(draining_link, inbox, {"prompt": "p"})  # sent before the news came
+        stream = LinkStream(quiet_link, inbox, _request("p"))
+        refused = LinkStream(draining_link, inbox, _request("p"))  # sent before the news came
         with pytest.raises(ReplicaDraining):
             await asyncio.wait_for(refused.__anext__(), 5)
         stats = draining_link.stats
-        draining_connection.send(stream_channel.NEWS_KEY, {"draining": True})
+        draining_connection.send(stream_channel.NEWS_KEY, Draining())
         await draining_connection.drain()
         await asyncio.sleep(0.1)
         routable = sorted(link.replica_id for link in inbox.routable_links())
@@ -406,7 +407,7 @@ def test_a_silent_link_is_lost_and_a_draining_one_takes_no_new_request():
         return stats, routable, still, sorted(inbox.links)
 
     stats, routable, still, left = asyncio.run(main())
-    assert stats == {"num_running": 3, "time": 1.0}
+    assert stats == ReplicaStats(num_running=3, time=1.0)
     assert routable == ["quiet"]  # connected still (its requests finish), but nothing new goes to it
     assert still == ["draining", "quiet"]
     assert "quiet" not in left
@@ -439,13 +440,12 @@ def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drai
     router hears it is draining, a request sent anyway is refused as such (the router sends it elsewhere), and the
     stop waits until the request already running has finished."""
     from inflight.serve_app.replica import LLMReplica
-    from inflight.serve_app.router import ReplicaDraining, _LinkStream
 
-    def request(request_id: str, max_tokens: int) -> dict:
-        return {"kind": "completion", "request_id": request_id, "prompt": "Hello", "priority": 0,
-                "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+    def request(request_id: str, max_tokens: int) -> GenerateRequest:
+        return GenerateRequest(request_id, "completion", {"max_tokens": max_tokens, "temperature": 0,
+                                                          "ignore_eos": True}, prompt="Hello")
 
-    async def read_all(stream) -> list[dict]:
+    async def read_all(stream) -> list:
         return [message async for message in stream]
 
     async def main():
@@ -456,9 +456,9 @@ def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drai
             assert await replica.connect(inbox.address) == replica.replica_id
             assert await _wait_until(inbox.routable_links), "the replica never connected"
             link = inbox.links[replica.replica_id]
-            whole = await read_all(_LinkStream(link, inbox, request("whole", 12)))
+            whole = await read_all(LinkStream(link, inbox, request("whole", 12)))
 
-            aborted = _LinkStream(link, inbox, request("aborted", 200))
+            aborted = LinkStream(link, inbox, request("aborted", 200))
             await asyncio.wait_for(aborted.__anext__(), 10)
             aborted.cancel()
             await _wait_until(lambda: replica.engine.stats()["num_running"] == 0)
@@ -467,14 +467,14 @@ def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drai
             # Two steps for "running" (its first token and one more), then the engine waits for ``release``: the
             # request is still running when the stop is checked, however fast or slow the machine.
             release = _hold_steps_after(replica.engine.engine, 2)
-            running_stream = _LinkStream(link, inbox, request("running", 200))
+            running_stream = LinkStream(link, inbox, request("running", 200))
             first = await asyncio.wait_for(running_stream.__anext__(), 10)  # it runs: now Serve stops the replica
             running = asyncio.ensure_future(read_all(running_stream))
             stopping = asyncio.ensure_future(replica.__del__())
             await _wait_until(lambda: not inbox.routable_links())  # the router hears of the drain
             routable_while_draining = inbox.routable_links()
             with pytest.raises(ReplicaDraining):
-                await asyncio.wait_for(_LinkStream(link, inbox, request("late", 4)).__anext__(), 10)
+                await asyncio.wait_for(LinkStream(link, inbox, request("late", 4)).__anext__(), 10)
             stopped_before_it_finished = stopping.done()
             release.set()
             finished = [first] + await asyncio.wait_for(running, 60)
@@ -487,11 +487,11 @@ def test_a_real_replica_serves_requests_down_its_connection_aborts_them_and_drai
             await replica.engine.shutdown()
 
     whole, running_after_abort, routable, stopped_early, finished = asyncio.run(main())
-    assert whole[0]["started"] and whole[-1]["finished"]
-    assert sum(len(m["choices"][0]["token_ids"]) for m in whole) == 12
+    assert isinstance(whole[0], Started) and whole[-1].finished
+    assert sum(len(m.choices[0].token_ids) for m in whole) == 12
     assert running_after_abort == 0
     assert routable == [] and not stopped_early
-    assert finished[-1]["finished"] and sum(len(m["choices"][0]["token_ids"]) for m in finished) == 200
+    assert finished[-1].finished and sum(len(m.choices[0].token_ids) for m in finished) == 200
 
 
 @pytest.mark.timeout(180, func_only=True)
@@ -529,43 +529,43 @@ def test_a_message_that_cannot_be_packed_closes_the_connection_and_numpy_numbers
     and the connection is closed at once, so the router treats its requests as lost (and continues them) rather
     than waiting for messages that will never come."""
     import numpy as np
-    from inflight.serve_app.router import _LinkStream
 
-    answers = iter([[_chunk("n") | {"score": np.float32(0.5)}], [object()]])
+    scored = Chunk((Choice(0, "n", [1], logprobs=[{"token": "n", "logprob": np.float32(0.5), "top": []}]),))
+    answers = iter([[scored], [Chunk((Choice(0, object(), [1]),))]])
 
     async def main():
         inbox = await _started_inbox()
         replica = _FakeReplica("r1", lambda request: next(answers))
         link, _ = await _linked(inbox, replica)
-        fine = _LinkStream(link, inbox, {"prompt": "a"})
+        fine = LinkStream(link, inbox, _request("a"))
         got = await asyncio.wait_for(fine.__anext__(), 5)
-        broken = _LinkStream(link, inbox, {"prompt": "b"})
+        broken = LinkStream(link, inbox, _request("b"))
         with pytest.raises(stream_channel.StreamLost):
             await asyncio.wait_for(broken.__anext__(), 5)
         await inbox.stop()
         return got, inbox.routable_links()
 
     got, routable = asyncio.run(main())
-    assert got["score"] == 0.5 and type(got["score"]) is float
+    logprob = got.choices[0].logprobs[0]["logprob"]
+    assert logprob == 0.5 and type(logprob) is float
     assert routable == []
 
 
 def test_a_serve_call_stream_counts_on_its_replicas_link_once_its_first_message_names_the_replica():
     """A request that went as a Serve call (no connection covered every replica yet) is counted on its replica's
     link from its first message on, so routing down connections sees everything that replica holds."""
-    from inflight.serve_app.router import _ChannelStream
 
     async def main():
         inbox = await _started_inbox()
         replica = _FakeReplica("r1", lambda request: iter(()))
         link, connection = await _linked(inbox, replica)
         replicas = _Replicas()
-        stream = _ChannelStream(replicas, inbox, {"prompt": [1]})
+        stream = ChannelStream(replicas, inbox, _request([1]))
         before = len(link.keys)
-        connection.send(stream.route["key"], {**_chunk("first"), "started": True, "replica_id": "r1"})
+        connection.send(stream.route.key, Started("r1", 1, _chunk("first").choices))
         await asyncio.wait_for(stream.__anext__(), 5)
         counted = len(link.keys)
-        connection.send(stream.route["key"], _chunk("last", finished=True))
+        connection.send(stream.route.key, _chunk("last", finished=True))
         await asyncio.wait_for(stream.__anext__(), 5)
         await inbox.stop()
         return before, counted, len(link.keys)
