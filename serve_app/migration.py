@@ -9,10 +9,11 @@ seeded choices go on as they would have; text held back for stop strings is stil
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import AsyncIterator
+
+import msgspec
 
 from inflight.serve_app.errors import RequestTimeoutError, ServerError
 from inflight.serve_app.messages import Continued, GenerateRequest, StreamEvent
@@ -59,7 +60,7 @@ class Progress:
         continue_from = tuple(Continued(i, list(self.token_ids[i]), self.text_len[i])
                               for i in range(len(self.ended)) if not self.ended[i])
         # Not refused as unmeetable: it was admitted once; its deadline still ends it.
-        return dataclasses.replace(request, request_id=f"{request.request_id}-m{migration}", params=params,
+        return msgspec.structs.replace(request, request_id=f"{request.request_id}-m{migration}", params=params,
                                    echo=False, client_timeout=False, continue_from=continue_from)
 
 

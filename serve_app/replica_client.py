@@ -13,11 +13,11 @@ whose request router (``request_router.LLMRequestRouter``) ranks by the same pol
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import Any
 
+import msgspec
 from ray.serve.handle import DeploymentHandle
 
 from inflight.serve_app.config import RouterConfig
@@ -90,7 +90,7 @@ class ReplicaClient:
         last_error: BaseException | None = None
         for attempt in range(self.config.max_attempts):
             # only a client's own timeout may be refused as unmeetable; the server default is a net
-            sent = dataclasses.replace(request, timeout_s=max(0.001, deadline - time.monotonic()),
+            sent = msgspec.structs.replace(request, timeout_s=max(0.001, deadline - time.monotonic()),
                                        strict_deadline=request.client_timeout,
                                        request_id=f"{request.request_id}-retry{attempt}" if attempt
                                        else request.request_id)

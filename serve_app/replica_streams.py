@@ -18,8 +18,8 @@ error that says its replica is gone (``REPLICA_GONE``: the router retries or mig
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
+import msgspec
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
@@ -123,7 +123,7 @@ class ChannelStream(_InboxStream):
     def __init__(self, replicas: DeploymentHandle, inbox: StreamInbox, request: GenerateRequest) -> None:
         self.inbox = inbox
         self.route, self.queue = inbox.open()
-        self.response = replicas.generate.remote(dataclasses.replace(request, route=self.route))
+        self.response = replicas.generate.remote(msgspec.structs.replace(request, route=self.route))
         self.end = asyncio.ensure_future(_end_of(self.response))
         self.end.add_done_callback(self._on_end)
         self.call_ended = False
@@ -173,7 +173,7 @@ class LinkStream(_InboxStream):
     def __init__(self, link: ReplicaLink, inbox: StreamInbox, request: GenerateRequest) -> None:
         self.link, self.inbox = link, inbox
         self.route, self.queue = inbox.open(link)
-        link.generate(dataclasses.replace(request, route=self.route))
+        link.generate(msgspec.structs.replace(request, route=self.route))
         self.finished = False
 
     async def _next(self) -> StreamEvent:

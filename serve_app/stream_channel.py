@@ -35,8 +35,9 @@ import time
 from typing import Any, Callable
 
 import msgpack
+import msgspec
 
-from inflight.serve_app.messages import Draining, GenerateRequest, Message, ReplicaStats, Route, from_plain
+from inflight.serve_app.messages import Draining, GenerateRequest, Message, ReplicaStats, Route, from_plain, to_plain
 
 logger = logging.getLogger("ray.serve")
 
@@ -47,15 +48,9 @@ HEARTBEAT_S = 0.5  # a replica's stats on each connection, at least this often
 SILENCE_S = 10.0  # a connection nothing came on for this long is lost
 
 
-def _plain(obj: Any) -> Any:
-    """What msgpack cannot pack by itself: numpy's scalars (a stat or a logprob may be one) as Python numbers."""
-    if hasattr(obj, "item"):
-        return obj.item()
-    raise TypeError(f"cannot send a {type(obj).__name__} on the stream channel")
-
-
 def pack_frame(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True, default=_plain)
+    """A frame of builtins (messages in their plain form: ``messages.to_plain``)."""
+    body = msgpack.packb(obj, use_bin_type=True)
     return _LENGTH.pack(len(body)) + body
 
 
@@ -101,8 +96,9 @@ class _Writer:
         if not self.pending or self.writer is None:
             return
         pending, self.pending = self.pending, []
-        try:
-            self.writer.write(pack_frame(pending))
+        try:  # messages in their plain form, here: a message that cannot be (a bug) breaks this connection only
+            self.writer.write(pack_frame([[head, to_plain(body) if isinstance(body, msgspec.Struct) else body]
+                                          for head, body in pending]))
         except TypeError as e:  # a message that cannot be sent (a bug): the connection goes, and the other end
             # hears it at once (a lost replica's requests continue elsewhere) rather than waiting for words never sent
             logger.exception("stream channel: a message could not be packed; closing the connection")
@@ -135,7 +131,7 @@ class ReplicaLink(_Writer):
         return not (self.closed or self.draining or self.broken)
 
     def generate(self, request: GenerateRequest) -> None:
-        self._queue([GENERATE, request.to_plain()])
+        self._queue([GENERATE, request])
 
     def abort(self, key: int) -> None:
         if not self.broken:
@@ -311,7 +307,7 @@ class ReplicaConnection(_Writer):
                 self._on_close(self)
 
     def send(self, key: int, message: Message) -> None:
-        self._queue([key, message.to_plain()])
+        self._queue([key, message])
 
     async def drain(self) -> None:
         """Until everything sent so far is handed to the socket (the stream's end may then be reported)."""

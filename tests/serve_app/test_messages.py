@@ -4,7 +4,6 @@ stream channel's frames (msgpack, in the plain form: a tag and the fields in ord
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import pickle
 
 import pytest
@@ -52,25 +51,25 @@ def test_every_message_survives_the_stream_channels_frames(message):
         return await read_frame(reader)
 
     [[key, plain]] = asyncio.run(through_a_frame(M.to_plain(message)))
-    assert key == 1 and plain[0] == message.TAG
+    assert key == 1 and plain[0] == M.tag_of(type(message))
     assert M.from_plain(plain) == message
 
 
 def test_every_message_type_has_its_own_tag_and_is_frozen():
     types = {type(m) for m in EXAMPLES}
-    assert len({t.TAG for t in types}) == len(types) == 11
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    assert len({M.tag_of(t) for t in types}) == len(types) == 11
+    with pytest.raises(AttributeError):
         EXAMPLES[-1].num_running = 3
     assert not hasattr(EXAMPLES[-1], "__dict__")  # slots: no per-instance dict
 
 
 def test_the_plain_form_is_positional():
     """No field name travels: a chunk is its tag and one list per choice."""
-    assert M.to_plain(M.Chunk(CHOICES[:1])) == [M.Chunk.TAG, [[0, "Hello", [15, 16], None, None, CHOICES[0].logprobs, 0]]]
+    assert M.to_plain(M.Chunk(CHOICES[:1])) == [M.tag_of(M.Chunk), ([0, "Hello", [15, 16], None, None, CHOICES[0].logprobs, 0],)]
 
 
 def test_a_frame_that_is_not_a_message_is_refused():
-    for plain in ([99, "x"], [], [M.Chunk.TAG], "text"):
+    for plain in ([99, "x"], [], [M.tag_of(M.Chunk)], "text"):
         with pytest.raises(ValueError):
             M.from_plain(plain)
 

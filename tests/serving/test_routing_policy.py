@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 from collections import Counter
 
 import pytest
@@ -93,7 +93,7 @@ def test_stale_stats_are_ignored():
              ReplicaLoad("some-load-now", 0, fresh_stats(stats(running=2)))]
     assert first(RoutingPolicy("least_loaded", seed=0), loads) == "busy-long-ago"
     # ...while a fresh report of the same load does.
-    loads[0] = ReplicaLoad("busy-long-ago", 0, fresh_stats(dataclasses.replace(old, time=NOW)))
+    loads[0] = ReplicaLoad("busy-long-ago", 0, fresh_stats(msgspec.structs.replace(old, time=NOW)))
     assert first(RoutingPolicy("least_loaded", seed=0), loads) == "some-load-now"
 
 

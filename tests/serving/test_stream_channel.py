@@ -17,7 +17,7 @@ import pytest
 
 from inflight.serve_app import stream_channel
 from inflight.serve_app.messages import (Choice, Chunk, Draining, Finished, GenerateRequest, ReplicaStats, Route,
-                                         Started)
+                                         Started, to_plain)
 from inflight.serve_app.replica_streams import ChannelStream, LinkStream, ReplicaDraining
 from inflight.serve_app.stream_channel import StreamInbox, StreamOutbox, pack_frame
 from tests.serving.helpers import completion_body, get_stats, parse_sse, post_stream, wait_for_stats
@@ -133,7 +133,7 @@ def test_a_connection_without_the_secret_is_closed_and_delivers_nothing():
         inbox = await _started_inbox()
         route, queue = inbox.open()
         reader, writer = await asyncio.open_connection("127.0.0.1", inbox.port)
-        writer.write(pack_frame("not the secret") + pack_frame([[route.key, _chunk("forged").to_plain()]]))
+        writer.write(pack_frame("not the secret") + pack_frame([[route.key, to_plain(_chunk("forged"))]]))
         await writer.drain()
         closed = await asyncio.wait_for(reader.read(), 5) == b""  # the router hung up
         forged = await asyncio.wait_for(OversizedFrame.send(inbox, route), 5)
@@ -241,7 +241,7 @@ def test_the_server_streams_through_the_channel_and_a_stranger_cannot_speak_on_i
     hung_up = False
     try:
         stranger.sendall(pack_frame({"secret": "guess", "replica_id": "x"})
-                         + pack_frame([[key, _chunk("forged").to_plain()] for key in range(1, 10_000)]))
+                         + pack_frame([[key, to_plain(_chunk("forged"))] for key in range(1, 10_000)]))
     except (ConnectionResetError, BrokenPipeError):  # the router hung up before the kernel had taken it all
         hung_up = True
     with httpx.Client(timeout=60) as client:
