@@ -106,6 +106,13 @@ class AppConfig(BaseModel):
             raise ValueError("set the model with the top-level `model`, not inside engine_args")
         return value
 
+    @field_validator("num_replicas")
+    @classmethod
+    def _num_replicas_valid(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:  # (Serve would refuse it only once Ray runs)
+            raise ValueError(f"num_replicas must be at least 1, or 'auto', got {value}")
+        return value
+
     @field_validator("engine_cpus")
     @classmethod
     def _engine_cpus_valid(cls, value: str | None) -> str | None:

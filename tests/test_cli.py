@@ -90,6 +90,7 @@ def test_the_console_script_names_a_callable_main():
     (["--routing-policy", "random"], "--routing-policy"),
     (["--engine-cpus", "first"], "--engine-cpus"),
     (["--max-pending-requests", "0"], "--max-pending-requests"),
+    (["--num-replicas", "0"], "--num-replicas"),
     (["--config", "configs/demo-tiny.yaml", "--max-model-len", "-5"], "--max-model-len"),
 ])
 def test_a_bad_value_stops_before_ray_in_one_line_naming_its_flag(args, flag):

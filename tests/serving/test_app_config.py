@@ -43,6 +43,7 @@ def test_serve_run_style_no_args_is_the_default_app():
 @pytest.mark.parametrize("cli_arg, named", [
     ("routing_policy=fastest", "routing_policy"),
     ("num_replicas=lots", "num_replicas"),
+    ("num_replicas=0", "num_replicas"),
     ("max_pending_requests=0", "max_pending_requests"),
     ("default_timeout_s=-1", "default_timeout_s"),
     ("no_such_option=1", "no_such_option"),
