@@ -61,7 +61,7 @@ class Progress:
                               for i in range(len(self.ended)) if not self.ended[i])
         # Not refused as unmeetable: it was admitted once; its deadline still ends it.
         return msgspec.structs.replace(request, request_id=f"{request.request_id}-m{migration}", params=params,
-                                   echo=False, client_timeout=False, continue_from=continue_from)
+                                       echo=False, client_timeout=False, continue_from=continue_from)
 
 
 async def messages(client: ReplicaClient, request: GenerateRequest, deadline: float, max_migrations: int,

@@ -91,9 +91,9 @@ class ReplicaClient:
         for attempt in range(self.config.max_attempts):
             # only a client's own timeout may be refused as unmeetable; the server default is a net
             sent = msgspec.structs.replace(request, timeout_s=max(0.001, deadline - time.monotonic()),
-                                       strict_deadline=request.client_timeout,
-                                       request_id=f"{request.request_id}-retry{attempt}" if attempt
-                                       else request.request_id)
+                                           strict_deadline=request.client_timeout,
+                                           request_id=f"{request.request_id}-retry{attempt}" if attempt
+                                           else request.request_id)
             response, first_answer = call(sent)
             try:
                 first = await asyncio.wait_for(first_answer, timeout=max(0.001, deadline + DEADLINE_GRACE_S

@@ -267,7 +267,7 @@ def time_report(engine, repeats: int = 50) -> tuple[float, float]:
     """(send, receive) microseconds of one step's report to the server's process, as the engine's own process
     (``engine_process=True``, what servers run) pickles it after every step and the server unpickles it: the
     records of a decode step of every request."""
-    from inflight.engine.engine_core import StepReport
+    from inflight.engine.core_messages import StepReport
 
     report = StepReport(engine.core_step(), seconds=0.0, batch_size=engine.last_batch_size)
     start = time.perf_counter()
