@@ -81,7 +81,9 @@ def build(compiler: str, flags: list[str], library: Path, source: Path = SOURCE)
     # Written beside its final name, then renamed: concurrent builders never load a half-written file.
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         out = Path(tmp) / library.name
-        subprocess.run([compiler, *flags, str(source), "-o", str(out)], check=True, capture_output=True, text=True)
+        # (-I: the headers it includes, from this checkout, wherever ``source`` lies)
+        subprocess.run([compiler, *flags, f"-I{SOURCE.parent}", str(source), "-o", str(out)], check=True,
+                       capture_output=True, text=True)
         os.replace(out, library)
 
 
@@ -95,7 +97,8 @@ def load() -> ctypes.CDLL | None:
         logger.warning("no C++ compiler found: CPU attention stays on the PyTorch path (slower decode)")
         return None
     flags = _flags()
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *flags, _cpu_signature()]).encode()).hexdigest()
+    sources = [path.read_text() for path in sorted(SOURCE.parent.iterdir()) if path.suffix in (".cpp", ".h")]
+    key = hashlib.sha256("\n".join([*sources, compiler, *flags, _cpu_signature()]).encode()).hexdigest()
     library = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     try:
         if not library.exists():
@@ -128,6 +131,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "linear_pairs_bf16": (signatures["linear"], None), "linear_pairs_bf16_f32": (signatures["linear"], None),
         "rms_norm_bf16_f32res": (signatures["rms_norm"], None),
         "decode_layers_bf16": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 8, f32, f32, i32], None),
+        "quant_vnni": ([], i32),
+        **{f"quant_linear_{fmt}_{suffix}": ([ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32], None)
+           for fmt in ("q4", "q8") for suffix in ("f32", "bf16", "bf16_f32")},
+        **{f"quant_rows_{fmt}_{suffix}": ([ptr, ptr, i64, i64, ptr, i32], None)
+           for fmt in ("q4", "q8") for suffix in ("f32", "bf16")},
     })
     for name, (argtypes, restype) in exports.items():
         if hasattr(lib, name):
@@ -380,12 +388,23 @@ def linear_pairs(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
-class DecodeLayer(ctypes.Structure):
-    """One layer's pointers for ``decode_layers`` (the C++ ``DecodeLayer``): weights packed by ``pack_linear_pairs``,
-    biases None where a linear has none, the layer's K and V caches."""
+LINEAR_FORMATS = {"bf16_pairs": 0, "q4": 1, "q8": 2}  # the C++ QuantFormat
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down", "k_cache", "v_cache")]
+
+class LinearWeight(ctypes.Structure):
+    """One linear for ``decode_layers`` (the C++ ``LinearWeight``): its packed weight (``pack_linear_pairs``, or a
+    ``kernels.quantized`` q4/q8 weight), its bias or None, and which of those ``format`` (``LINEAR_FORMATS``) is."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("format", ctypes.c_int64)]
+
+
+class DecodeLayer(ctypes.Structure):
+    """One layer's pointers for ``decode_layers`` (the C++ ``DecodeLayer``): the norms' weights, the four linears,
+    the layer's K and V caches."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("qkv", LinearWeight), ("o", LinearWeight),
+                ("post_norm", ctypes.c_void_p), ("gate_up", LinearWeight), ("down", LinearWeight),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
 
 
 @dataclasses.dataclass(frozen=True)

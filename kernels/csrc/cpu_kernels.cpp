@@ -1089,6 +1089,8 @@ static void linear_pairs(const bf16* x, const bf16* packed, const bf16* bias, O*
 }
 #endif
 
+#include "quant_linear.h"
+
 extern "C" {
 
 // y [num_rows, n] (contiguous, bf16) = x [num_rows, k] (bf16, row stride stride_x) W^T + bias (bf16 or nullptr),
@@ -1161,16 +1163,14 @@ INFLIGHT_EXPORTS(float, f32)
 INFLIGHT_EXPORTS(bf16, bf16)
 
 // One layer's weights for decode_layers_bf16 (kernels/cpu_kernels.py's DecodeLayer): the norms' weights, the
-// linears packed by pack_linear_pairs (biases nullptr where a linear has none), the layer's K and V caches.
+// linears (each packed by pack_linear_pairs or kept quantized, with its bias or nullptr), the layer's K and V caches.
 struct DecodeLayer {
     const bf16* input_norm;
-    const bf16* qkv;
-    const bf16* qkv_bias;
-    const bf16* o;
-    const bf16* o_bias;
+    LinearWeight qkv;
+    LinearWeight o;
     const bf16* post_norm;
-    const bf16* gate_up;
-    const bf16* down;
+    LinearWeight gate_up;
+    LinearWeight down;
     bf16* k_cache;
     bf16* v_cache;
 };
@@ -1201,7 +1201,7 @@ void decode_layers_bf16(const DecodeLayer* layers, int64_t num_layers, bf16* x, 
         const DecodeLayer& w = layers[l];
         rms_norm<bf16, float>(x, residual, w.input_norm, h.data(), num_rows, hidden, hidden, hidden, hidden, eps,
                               num_threads);
-        linear_pairs(h.data(), w.qkv, w.qkv_bias, qkv.data(), num_rows, qkv_size, hidden, hidden, num_threads);
+        any_linear(w.qkv, h.data(), qkv.data(), num_rows, qkv_size, hidden, hidden, num_threads);
         rope<bf16>(qkv.data(), cos, sin, qk.data(), num_rows, num_heads + num_kv_heads, head_dim, qkv_size, head_dim,
                    num_threads);
         store_kv<bf16>(qk.data() + q_size, qkv.data() + qk_size, w.k_cache, w.v_cache, slots, num_rows, num_kv_heads,
@@ -1211,14 +1211,12 @@ void decode_layers_bf16(const DecodeLayer* layers, int64_t num_layers, bf16* x, 
         paged_decode_attention<bf16>(q.data(), w.k_cache, w.v_cache, block_tables, table_stride, seq_lens,
                                      attn.data(), num_rows, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
                                      scale, num_threads);
-        linear_pairs(attn.data(), w.o, w.o_bias, x, num_rows, hidden, q_size, q_size, num_threads);
+        any_linear(w.o, attn.data(), x, num_rows, hidden, q_size, q_size, num_threads);
         rms_norm<bf16, float>(x, residual, w.post_norm, h.data(), num_rows, hidden, hidden, hidden, hidden, eps,
                               num_threads);
-        linear_pairs(h.data(), w.gate_up, static_cast<const bf16*>(nullptr), gate_up.data(), num_rows,
-                     2 * intermediate, hidden, hidden, num_threads);
+        any_linear(w.gate_up, h.data(), gate_up.data(), num_rows, 2 * intermediate, hidden, hidden, num_threads);
         silu_and_mul<bf16>(gate_up.data(), act.data(), num_rows, intermediate, 2 * intermediate, num_threads);
-        linear_pairs(act.data(), w.down, static_cast<const bf16*>(nullptr), x, num_rows, hidden, intermediate,
-                     intermediate, num_threads);
+        any_linear(w.down, act.data(), x, num_rows, hidden, intermediate, intermediate, num_threads);
     }
 #endif
 }
@@ -1229,5 +1227,37 @@ void rms_norm_bf16_f32res(const bf16* x, float* residual, const bf16* weight, bf
                           int num_threads) {
     rms_norm<bf16, float>(x, residual, weight, out, num_tokens, hidden, stride_x, stride_r, stride_o, eps, num_threads);
 }
+
+// Quantized linears (quant_linear.h): y [num_rows, n] (row stride ldy) = x W^T + bias, W packed as q4 or q8 by
+// kernels/quantized.py; NAME_f32 and NAME_bf16 on x, bias and y of that type, NAME_bf16_f32 with y float32 (logits).
+// quant_rows_*: rows `ids` of such a W dequantized (an embedding).
+#define INFLIGHT_QUANT_EXPORTS(FORMAT, NAME)                                                                        \
+    void quant_linear_##NAME##_f32(const float* x, const uint8_t* w, const float* bias, float* y, int64_t num_rows, \
+                                   int64_t n, int64_t k, int64_t stride_x, int64_t ldy, int num_threads) {          \
+        quant_linear<FORMAT>(x, w, bias, y, num_rows, n, k, stride_x, ldy, num_threads);                           \
+    }                                                                                                              \
+    void quant_linear_##NAME##_bf16(const bf16* x, const uint8_t* w, const bf16* bias, bf16* y, int64_t num_rows,  \
+                                    int64_t n, int64_t k, int64_t stride_x, int64_t ldy, int num_threads) {         \
+        quant_linear<FORMAT>(x, w, bias, y, num_rows, n, k, stride_x, ldy, num_threads);                           \
+    }                                                                                                              \
+    void quant_linear_##NAME##_bf16_f32(const bf16* x, const uint8_t* w, const bf16* bias, float* y,                \
+                                        int64_t num_rows, int64_t n, int64_t k, int64_t stride_x, int64_t ldy,     \
+                                        int num_threads) {                                                         \
+        quant_linear<FORMAT>(x, w, bias, y, num_rows, n, k, stride_x, ldy, num_threads);                           \
+    }                                                                                                              \
+    void quant_rows_##NAME##_f32(const uint8_t* w, const int64_t* ids, int64_t num_ids, int64_t k, float* out,     \
+                                 int num_threads) {                                                                \
+        quant_rows<FORMAT>(w, ids, num_ids, k, out, num_threads);                                                  \
+    }                                                                                                              \
+    void quant_rows_##NAME##_bf16(const uint8_t* w, const int64_t* ids, int64_t num_ids, int64_t k, bf16* out,     \
+                                  int num_threads) {                                                               \
+        quant_rows<FORMAT>(w, ids, num_ids, k, out, num_threads);                                                  \
+    }
+
+INFLIGHT_QUANT_EXPORTS(FORMAT_Q4, q4)
+INFLIGHT_QUANT_EXPORTS(FORMAT_Q8, q8)
+
+// 1 when the quantized linears run on AVX-512 VNNI, 0 on the scalar code (the same bits, far slower).
+int quant_vnni() { return INFLIGHT_QUANT_VNNI; }
 
 }  // extern "C"
