@@ -12,6 +12,7 @@ BatchingMode = Literal["continuous", "static"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("auto", "none")  # engine.models.loader.QUANTIZATIONS
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 ADMISSION_MODES = ("max_utilization", "guaranteed_no_evict")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -68,6 +69,10 @@ class EngineConfig:
     # continuous batching only. False: the general path schedules every step (for comparison; same results).
     persistent_batch: bool = True
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
+    # "auto": a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights stay quantized on the CPU (int8 kernels, 4.5-8.5 bits a weight
+    # read per step instead of 16); other types, and every weight on a GPU, are dequantized to dtype. "none":
+    # everything dequantized (the exact model transformers loads from the file).
+    quantization: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
     # CPU, more than one thread: a step of at most this many tokens (a decode of a few rows) runs on one thread.
     # Such a step gains little from a second thread, and where the serving processes share the cores (a server's
@@ -163,6 +168,8 @@ class EngineConfig:
                                               "each step's tokens before the next is scheduled)")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
+        if self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"must be one of {QUANTIZATIONS}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise bad("num_threads", "must be a positive integer or None")
         if not isinstance(self.one_thread_max_tokens, int) or isinstance(self.one_thread_max_tokens, bool) \

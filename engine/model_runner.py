@@ -107,7 +107,7 @@ class ModelRunner:
             self.config = config = dataclasses.replace(config, block_size=-(-config.block_size // multiple) * multiple)
         self.block_size = config.block_size
         self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device,
-                                           config.load_format)
+                                           config.load_format, config.quantization)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # faster decode-sized matmuls (see cpu_packing.py)
             if self.dtype == torch.bfloat16 and self.backend.elementwise_ops() is not None:

@@ -9,8 +9,8 @@ call.
 
 ``FusedDecode.for_model`` gives one when the whole layer stack is those kernels: a CPU model in bfloat16 under a
 float32 residual stream (``CausalLM.residual_dtype``), kernels built with AVX-512 BF16, the CPU attention backend
-with its decode kernel for the head size, every linear packed for ``linear_pairs`` (``cpu_packing``), and no
-q/k norms (Qwen3's). ``CausalLM.forward`` takes it for a step whose rows are all one token
+with its decode kernel for the head size, every linear packed for ``linear_pairs`` (``cpu_packing``) or kept
+quantized (``engine.models.quantized``), and no q/k norms (Qwen3's). ``CausalLM.forward`` takes it for a step whose rows are all one token
 (``TorchAttentionMetadata.all_decode``) and keeps the layer-by-layer path for everything else.
 """
 
@@ -25,10 +25,20 @@ from inflight.kernels import cpu_kernels
 from inflight.kernels.cpu_backend import CpuPagedAttention
 from inflight.kernels.torch_ref import TorchAttentionMetadata
 from inflight.engine.models.cpu_packing import EVERY_ROW
+from inflight.engine.models.quantized import QuantLinear
 
 
-def _packed_for_pairs(linear: nn.Linear) -> bool:
-    return getattr(linear, "kernel_rows", 0) == EVERY_ROW and hasattr(linear, "kernel_weight")
+def _linear_weight(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, str] | None:
+    """(packed weight, bias, format) of a linear ``decode_layers`` can run, else None: a bf16 ``nn.Linear`` packed for
+    ``linear_pairs``, or a ``QuantLinear``; a bias in bfloat16."""
+    if isinstance(linear, QuantLinear):
+        found = (linear.qweight.packed, linear.bias, linear.qweight.format)
+    elif getattr(linear, "kernel_rows", 0) == EVERY_ROW and hasattr(linear, "kernel_weight"):
+        found = (linear.kernel_weight, linear.bias, "bf16_pairs")
+    else:
+        return None
+    bias = found[1]
+    return found if bias is None or bias.dtype is torch.bfloat16 else None
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
@@ -54,15 +64,13 @@ class FusedDecode:
         if not (isinstance(backend, CpuPagedAttention) and cpu_kernels.bf16_dot_products()  # (False when not built)
                 and cpu_kernels.decode_attention_supports(cfg.head_dim)):
             return None
-        if model.lm_head.weight.dtype is not torch.bfloat16 or model.residual_dtype is not torch.float32:
+        if model.model.norm.weight.dtype is not torch.bfloat16 or model.residual_dtype is not torch.float32:
             return None
         if cfg.qk_norm or cfg.num_heads % cfg.num_kv_heads:
             return None
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not all(_packed_for_pairs(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-                return None
-            if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            if not all(_linear_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 return None
         return cls(model)
 
@@ -75,13 +83,17 @@ class FusedDecode:
             table = (cpu_kernels.DecodeLayer * len(kv_caches))()
             for entry, layer, (k_cache, v_cache) in zip(table, self.model.model.layers, kv_caches):
                 attn, mlp = layer.self_attn, layer.mlp
-                for name, tensor in (("input_norm", layer.input_layernorm.weight), ("qkv", attn.qkv_proj.kernel_weight),
-                                     ("qkv_bias", attn.qkv_proj.bias), ("o", attn.o_proj.kernel_weight),
-                                     ("o_bias", attn.o_proj.bias), ("post_norm", layer.post_attention_layernorm.weight),
-                                     ("gate_up", mlp.gate_up_proj.kernel_weight), ("down", mlp.down_proj.kernel_weight),
+                for name, tensor in (("input_norm", layer.input_layernorm.weight),
+                                     ("post_norm", layer.post_attention_layernorm.weight),
                                      ("k_cache", k_cache), ("v_cache", v_cache)):
-                    assert tensor is None or tensor.is_contiguous(), name
+                    assert tensor.is_contiguous(), name
                     setattr(entry, name, _pointer(tensor))
+                for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                     ("down", mlp.down_proj)):
+                    weight, bias, fmt = _linear_weight(linear)
+                    assert weight.is_contiguous() and (bias is None or bias.is_contiguous()), name
+                    setattr(entry, name, cpu_kernels.LinearWeight(_pointer(weight), _pointer(bias),
+                                                                  cpu_kernels.LINEAR_FORMATS[fmt]))
             self._layers, self._caches = table, kv_caches
         return self._layers
 

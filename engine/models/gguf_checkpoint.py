@@ -4,7 +4,8 @@ Read with the ``gguf`` package (ggml's own reader, numpy only). What a server's 
 config, the tokenizer, the chat template, the end-of-sequence ids) is converted once per file into a small
 cache (``$INFLIGHT_CACHE``/gguf, default ``~/.cache/inflight/gguf``): parsing the file's 50k-token vocabulary
 takes seconds, and the router, each replica and each engine process would otherwise pay it at every start.
-The weights are read at every load and dequantized to the engine's dtype; Q and K of Llama-architecture files
+The weights are read at every load and dequantized to the engine's dtype, or, under ``quantization="auto"`` on the
+CPU, the Q4_0/Q4_1/Q4_K/Q8_0 ones kept as they are (``gguf_quant``); Q and K of Llama-architecture files
 are un-permuted back from ggml's RoPE layout to the Hugging Face one the model uses.
 
 Supported: architectures ``ARCHITECTURES``, byte-level BPE vocabularies (``tokenizer.ggml.model`` "gpt2")
@@ -32,6 +33,8 @@ from inflight.engine.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import gguf
     import torch
+
+    from inflight.engine.models.gguf_quant import QuantValues
 
 logger = logging.getLogger(__name__)
 
@@ -304,29 +307,48 @@ def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def read_gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight as (Hugging Face name, float32 tensor), dequantized and in the model's RoPE layout."""
+def read_gguf_tensors(path: Path, config: ModelConfig,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantValues]]:
+    """Every weight as (Hugging Face name, float32 tensor), dequantized and in the model's RoPE layout; with
+    ``keep_quantized``, a weight of a type ``gguf_quant.KEPT_TYPES`` names comes as its ``QuantValues`` instead."""
     import numpy as np
     import torch
     from gguf import quants
 
+    from inflight.engine.models import gguf_quant
+
     reader = open_reader(path)
     _check_tensor_types(reader)
     arch = _field(reader, "general.architecture")
-    counts: dict[str, int] = {}
+
+    def kept(t) -> bool:
+        shape = tuple(int(n) for n in t.shape)
+        return (keep_quantized and t.tensor_type.name in gguf_quant.KEPT_TYPES and len(shape) == 2
+                and shape[0] % 32 == 0)
+
+    counts: dict[tuple[str, bool], int] = {}
     for t in reader.tensors:
-        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
-    logger.info("GGUF %s: %d tensors (%s), dequantized at load", path.name, len(reader.tensors),
-                ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+        key = (t.tensor_type.name, kept(t))
+        counts[key] = counts.get(key, 0) + 1
+    described = [f"{n} {name}" + (" kept quantized" if keep else " dequantized") for (name, keep), n in
+                 sorted(counts.items())]
+    logger.info("GGUF %s: %d tensors (%s)", path.name, len(reader.tensors), ", ".join(described))
     heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
-        array = quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dimensions innermost first
+        suffix = t.name.split(".", 2)[-1]
+        permuted = arch in PERMUTED_QK and suffix in heads
+        if kept(t):
+            values = gguf_quant.read(t.data, t.tensor_type.name, shape)
+            if permuted:
+                values = values.rows(_unpermute(torch.arange(shape[0])[:, None], heads[suffix])[:, 0])
+            yield hf_tensor_name(t.name), values
+            continue
+        array = quants.dequantize(t.data, t.tensor_type)
         # A copy: an F32 tensor's data is a view of the read-only file map.
         tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
-        suffix = t.name.split(".", 2)[-1]
-        if arch in PERMUTED_QK and suffix in heads:
+        if permuted:
             tensor = _unpermute(tensor, heads[suffix])
         yield hf_tensor_name(t.name), tensor

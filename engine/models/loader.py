@@ -1,24 +1,31 @@
 """Load a checkpoint into a ``CausalLM``: a Hugging Face directory, a GGUF file, or the built-in ``demo-tiny``.
 
 A directory's weights are its ``*.safetensors`` (sharded through ``model.safetensors.index.json`` too); a GGUF
-file's come dequantized from ``engine.models.gguf_checkpoint``. Either way they arrive under Hugging Face's
-names and go through one placing step, which fuses q/k/v and gate/up.
+file's come from ``engine.models.gguf_checkpoint``, dequantized, or under ``quantization="auto"`` on the CPU its
+Q4/Q8 weights as they are. Either way they arrive under Hugging Face's names and go through one placing step, which
+fuses q/k/v and gate/up; a quantized linear (all its fused parts in one kept layout) or embedding replaces the
+module with ``engine.models.quantized``'s, and one whose parts differ is dequantized.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
+from inflight.engine.config import QUANTIZATIONS
 from inflight.engine.models.gguf_checkpoint import read_gguf_tensors
-from inflight.engine.models.source import ModelSource
+from inflight.engine.models.gguf_quant import QuantValues
 from inflight.engine.models.llama import CausalLM
-from inflight.kernels import AttentionBackend
+from inflight.engine.models.quantized import QuantEmbedding, QuantLinear, set_submodule
+from inflight.engine.models.source import ModelSource
+from inflight.kernels import AttentionBackend, quantized
 
+logger = logging.getLogger(__name__)
 
 # Hugging Face keeps q/k/v and gate/up apart; we fuse them. (our name, its name, shard index)
 _FUSED = {
@@ -30,12 +37,30 @@ _FUSED = {
 }
 
 
+def keeps_quantized(quantization: str, device: torch.device) -> bool:
+    """Whether a GGUF file's Q4/Q8 weights stay quantized: ``quantization`` "auto", on the CPU, kernels built."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "none":
+        return False
+    if device.type != "cpu":
+        logger.info("quantized weights are dequantized on %s (their kernels are the CPU's)", device.type)
+        return False
+    if not quantized.available():
+        logger.warning("the CPU kernels are not built: quantized weights are dequantized (more memory, slower decode)")
+        return False
+    return True
+
+
 def build_model(source: ModelSource, backend: AttentionBackend, max_positions: int,
-                dtype: torch.dtype, device: torch.device, load_format: str = "auto") -> CausalLM:
+                dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+                quantization: str = "auto") -> CausalLM:
     """Create the module without random init (on the meta device), then fill it with the weights.
 
     ``load_format="dummy"`` fills it with seeded random weights instead of reading files (vLLM's name for
-    it): a model of any shape for benchmarks, built in seconds on the device itself."""
+    it): a model of any shape for benchmarks, built in seconds on the device itself. ``quantization``: see
+    ``QUANTIZATIONS``."""
+    keep = source.weight_format == "gguf" and keeps_quantized(quantization, device)
     with torch.device("meta"):
         model = CausalLM(source.config, backend, max_positions)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -48,7 +73,7 @@ def build_model(source: ModelSource, backend: AttentionBackend, max_positions: i
     elif load_format == "dummy":
         init_dummy_weights(model)
     elif source.weight_format == "gguf":
-        load_weights(model, read_gguf_tensors(Path(source.name), source.config), Path(source.name).name)
+        load_weights(model, read_gguf_tensors(Path(source.name), source.config, keep), Path(source.name).name)
     else:
         load_weights(model, read_safetensors(Path(source.name)), source.name)
     return model.eval()
@@ -85,14 +110,16 @@ def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantValues]], where: str) -> None:
     """Copy ``tensors`` (Hugging Face names) into the model's parameters, converting to their dtype; every
-    parameter must be given once. ``where`` names the checkpoint in errors."""
+    parameter must be given once. A ``QuantValues`` weight is placed by ``_place_quantized`` once all the parts of
+    its module have come. ``where`` names the checkpoint in errors."""
     params = dict(model.named_parameters())
     missing = set(params)
     cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     split_sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    pending: dict[str, dict[int, QuantValues]] = {}  # our weight name -> its parts (by shard) so far
     for hf_name, tensor in tensors:
         if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
@@ -113,9 +140,45 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], w
         if tensor.shape != target.shape:
             raise ValueError(f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(target.shape)}")
-        target.copy_(tensor)
+        if isinstance(tensor, QuantValues):
+            parts = pending.setdefault(name, {})
+            parts[shard] = tensor
+            if len(parts) == (len(split_sizes[fused]) if fused is not None else 1):
+                _place_quantized(model, name, [parts[i] for i in range(len(parts))], params[name])
+                del pending[name]
+        else:
+            target.copy_(tensor)
         missing.discard(name)
+    for name, parts in pending.items():  # a fused linear whose other parts came as floats: dequantized too
+        logger.info("%s: dequantized (its fused parts are not all quantized)", name.removesuffix(".weight"))
+        for shard, values in parts.items():
+            start = sum(split_sizes[_fused_of(name)][:shard])
+            params[name].data[start:start + values.shape[0]].copy_(values.dequantize())
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"model: weights missing from checkpoint: {', '.join(sorted(missing)[:8])}")
+
+
+def _fused_of(name: str) -> str:
+    return next(fused for fused, _ in _FUSED.values() if f".{fused}." in name)
+
+
+def _place_quantized(model: CausalLM, name: str, parts: list[QuantValues], param: torch.Tensor) -> None:
+    """A weight's quantized parts (q/k/v or gate/up, or one) into the model: the module replaced by a quantized one
+    when the parts share a layout, else dequantized into ``param``."""
+    module_name = name.removesuffix(".weight")
+    if len({p.format for p in parts}) > 1:
+        logger.info("%s: parts of %s types dequantized (one fused linear keeps one layout)", module_name,
+                    "/".join(p.gguf_type for p in parts))
+        param.data.copy_(torch.cat([p.dequantize() for p in parts]))
+        return
+    weight = QuantValues.concat(parts).pack()
+    dtype = param.dtype
+    if module_name == "model.embed_tokens":
+        set_submodule(model, module_name, QuantEmbedding(weight, dtype))
+        if model.config.tie_word_embeddings:  # the one weight both ways
+            model.lm_head = QuantLinear(weight)
+    else:
+        old = model.get_submodule(module_name)
+        set_submodule(model, module_name, QuantLinear(weight, old.bias))
