@@ -38,10 +38,11 @@ def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf(path: Path, arch: str = "llama", tensor_type: str = "F32", seed: int = 0,
                raw_tensors: dict[str, tuple[np.ndarray, str]] | None = None, tokenizer_pre: str = "default",
-               tokenizer_model: str = "gpt2", **overrides) -> Path:
+               tokenizer_model: str = "gpt2", tensor_types: dict[str, str] | None = None, **overrides) -> Path:
     """A random ``arch`` model as a GGUF file at ``path`` (its Hugging Face checkpoint beside it, in
     ``path.parent / "hf"``); 2-D weights in ``tensor_type``, norms in F32 as llama.cpp keeps them.
-    ``raw_tensors``: more tensors, as (bytes, GGUF type name), written as they are."""
+    ``raw_tensors``: more tensors, as (bytes, GGUF type name), written as they are. ``tensor_types``: another type
+    for the 2-D weights whose Hugging Face name contains a key (``{"v_proj": "Q8_0"}``), as llama.cpp's mixes do."""
     import gguf
     from gguf import quants
     from safetensors.torch import load_file
@@ -73,8 +74,10 @@ def write_gguf(path: Path, arch: str = "llama", tensor_type: str = "F32", seed: 
         array = tensor.float().numpy()
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             array = permute(array, heads if "q_proj" in hf_name else kv_heads)
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(hf_name), quants.quantize(array, qtype), raw_dtype=qtype)
+        this_type = next((gguf.GGMLQuantizationType[t] for part, t in (tensor_types or {}).items()
+                          if part in hf_name), qtype)
+        if array.ndim == 2 and this_type != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(hf_name), quants.quantize(array, this_type), raw_dtype=this_type)
         else:
             writer.add_tensor(gguf_name(hf_name), np.ascontiguousarray(array, dtype=np.float32))
     for name, (data, type_name) in (raw_tensors or {}).items():

@@ -47,7 +47,22 @@ def _run(path, fused: bool, monkeypatch, threads: int) -> tuple[list, int]:
     ("qwen2", {"hidden_size": 128}),  # a qkv bias
 ])
 def test_fused_decode_gives_the_layer_by_layer_bits(checkpoint, monkeypatch, arch, overrides):
-    path = checkpoint(arch, dtype=torch.bfloat16, **overrides)
+    _same_bits_fused_and_layered(checkpoint(arch, dtype=torch.bfloat16, **overrides), monkeypatch)
+
+
+@pytest.mark.parametrize("arch, tensor_type", [("llama", "Q4_1"), ("llama", "Q8_0"), ("qwen2", "Q4_0")])
+def test_fused_decode_on_weights_kept_quantized_gives_the_layer_by_layer_bits(tmp_path, monkeypatch, arch,
+                                                                             tensor_type):
+    from inflight.engine.models.quantized import QuantLinear
+    from tests.gguf_files import write_gguf
+
+    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "model.gguf", arch, tensor_type, hidden_size=128)
+    assert isinstance(make_engine(path, dtype="bfloat16").runner.model.model.layers[0].mlp.down_proj, QuantLinear)
+    _same_bits_fused_and_layered(path, monkeypatch)
+
+
+def _same_bits_fused_and_layered(path, monkeypatch):
     for threads in (1, 2):
         fused, calls = _run(path, True, monkeypatch, threads)
         layered, no_calls = _run(path, False, monkeypatch, threads)

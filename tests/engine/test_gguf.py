@@ -52,7 +52,8 @@ def test_greedy_tokens_equal_transformers_loading_the_same_file(tmp_path, arch, 
     # transformers reads no head_dim from a qwen3 file and takes its default, 128.
     overrides = {"head_dim": 128} if arch == "qwen3" else {}
     path = write_gguf(tmp_path / "model.gguf", arch, tensor_type, **overrides)
-    llm = LLM(str(path), device="cpu", dtype="float32")  # (transformers runs it in float32)
+    # (transformers runs it in float32, from the dequantized weights)
+    llm = LLM(str(path), device="cpu", dtype="float32", quantization="none")
     prompts = [llm.tokenizer.encode(text) for text in ("Hello there", "The quick brown fox", "1, 2, 3,")]
     reference = hf_gguf_model(path)
     for ids in prompts:
@@ -177,7 +178,7 @@ CHAT_QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return LLM(SMOLLM2, device="cpu", dtype="float32")
+    return LLM(SMOLLM2, device="cpu", dtype="float32", quantization="none")  # transformers' model: dequantized
 
 
 def test_the_real_model_is_installed_as_a_package_and_found_without_importing_it():
@@ -203,7 +204,7 @@ def test_the_real_model_in_bfloat16_follows_transformers_bfloat16_but_at_near_ti
     tokens may part where two candidates score alike. Where ours and transformers' bfloat16 runs part, the exact
     (float32) model must score the two candidates within 0.5 of each other: a near-tie, not a wrong model."""
     path = packaged_model_path(SMOLLM2)
-    ours = LLM(SMOLLM2, device="cpu", dtype="bfloat16")
+    ours = LLM(SMOLLM2, device="cpu", dtype="bfloat16", quantization="none")
     reference = hf_gguf_model(path).to(torch.bfloat16)
     exact = hf_gguf_model(path)
     eos = sorted(ours.engine.eos_token_ids)
@@ -239,18 +240,23 @@ def test_the_real_model_knows_the_capital_of_france(smollm2):
 
 
 @pytest.mark.slow
-def test_auto_dtype_knows_the_capital_of_france_computed_whole_and_from_the_prefix_cache():
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_auto_dtype_answers_alike_computed_whole_and_from_the_prefix_cache(quantization):
     """What `make run` answers first, in the dtype it runs in: ``auto`` (bfloat16 where this CPU has bf16 units
     and the kernels use them, else float32). A bf16 residual stream moved this near-tie (float32 puts "The"
-    0.08 ahead of "L") to "L'Étoile, ..."; the float32 stream under bf16 layers keeps it."""
-    llm = LLM(SMOLLM2, device="cpu", dtype="auto")
+    0.08 ahead of "L") to "L'Étoile, ..."; the float32 stream under bf16 layers keeps it. Kept quantized (the
+    default, `make run`'s), the int8 activations move it to "L'Étoile, la Marseillaise", as llama.cpp answers from
+    the same file: the file's 4-bit model, not ours (tests/engine/test_quantized_model.py)."""
+    llm = LLM(SMOLLM2, device="cpu", dtype="auto", quantization=quantization)
     if llm.engine.runner.dtype == torch.bfloat16:
         assert llm.engine.runner.model.residual_dtype == torch.float32
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    for computed in ("whole", "from the prefix cache"):
-        out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
-        assert out.text.startswith("The capital of France is Paris"), (computed, out.text)
+    answers = [llm.chat(messages, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
+               for _computed in ("whole", "from the prefix cache")]
+    assert answers[0] == answers[1]
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+    if quantization == "none":
+        assert answers[0].startswith("The capital of France is Paris"), answers[0]
 
 
 @pytest.mark.slow
