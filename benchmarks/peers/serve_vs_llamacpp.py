@@ -51,11 +51,13 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+import yaml
+
 from benchmarks.common.models import BenchModel, add_model_arg, model_from_args
 from benchmarks.common.report import write_json
 from benchmarks.common.workloads import check_sampling_args
-from benchmarks.peers.serve_vs_vllm import (ROOT, add_turn_args, alternate, load_average, measured_turn, print_table,
-                                            ratios, start_ours)
+from benchmarks.peers.serve_vs_vllm import (ROOT, add_turn_args, alternate, bench_config, load_average, measured_turn,
+                                            print_table, ratios, start_ours)
 from benchmarks.peers.vllm_baseline import resolve_peer_python
 from inflight.serve_app.ray_env import API_PORT
 
@@ -148,6 +150,17 @@ def ours_dtype(system: str, dtype: str) -> str:
     return "bfloat16" if system == "ours-bf16" else dtype
 
 
+def check_ours(systems: list[str], model: BenchModel, dtype: str) -> None:
+    """Our configs as serve_app checks them at start (a ``ValueError`` naming the setting): before any server starts,
+    not after Ray has (e.g. an engine without ``quantization``)."""
+    from inflight.serve_app.config import AppConfig
+
+    for system in (s for s in systems if s in QUANTIZATION):
+        config = yaml.safe_load(bench_config(model.engine_model, None, model.served_name, ours_dtype(system, dtype),
+                                             ours_engine_args(system)))
+        AppConfig.model_validate(config["applications"][0]["args"])
+
+
 def one_turn(system: str, args, peer_python: str, model: BenchModel, workdir: Path, round_index: int) -> dict:
     def start(log) -> subprocess.Popen:
         if system in QUANTIZATION:
@@ -214,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     systems, model = args.systems, args.bench_model
     try:
         peer_python = resolve_peer_python(args.vllm_python)
+        check_ours(systems, model, args.dtype)
         args.llamacpp_bin = (resolve_llamacpp_bin(args.llamacpp_bin)
                              if any(s not in QUANTIZATION for s in systems) else None)
         model.hf_dir()  # the client's tokenizer: made once, before any server starts

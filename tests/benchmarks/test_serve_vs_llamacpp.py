@@ -158,3 +158,18 @@ def test_flags():
     for argv in (["--systems", "ours,vllm"], ["--model", "bench-random"]):
         with pytest.raises(SystemExit):
             llamacpp.parse_args(argv)
+
+
+def test_our_configs_are_checked_before_any_server_starts():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from inflight.engine.config import EngineConfig
+
+    model = SimpleNamespace(engine_model="smollm2-135m-instruct", served_name="smollm2-135m-instruct")
+    llamacpp.check_ours(["llamacpp", "llamacpp-bf16"], model, "bfloat16")  # nothing of ours to check
+    if "quantization" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        llamacpp.check_ours(["ours", "ours-bf16"], model, "bfloat16")
+    else:  # an engine before issue 48's `quantization`: refused at once, not once Ray runs
+        with pytest.raises(ValueError, match="quantization"):
+            llamacpp.check_ours(["ours"], model, "bfloat16")
