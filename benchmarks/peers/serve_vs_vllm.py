@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -87,17 +88,19 @@ ONE_THREAD_MAX_TOKENS = 4
 
 
 def bench_config(checkpoint: Path | str, num_threads: int | None = None, served_name: str = MODEL_NAME,
-                 dtype: str | None = None) -> str:
+                 dtype: str | None = None, engine_args: dict[str, Any] | None = None) -> str:
     """configs/bench-vs-vllm.yaml for ``checkpoint`` (what our engine loads: a path or a packaged model's name)
-    served as ``served_name`` (in ``dtype``, when given: else the file's float32); with ``num_threads``, its engine
-    computes with that many threads on no CPUs of its own (no ``engine_cpus``: Ray's processes share every CPU with
-    it), but for steps of at most ``ONE_THREAD_MAX_TOKENS`` tokens (a decode of a few streams), which run on one."""
+    served as ``served_name`` (in ``dtype``, when given: else the file's float32; with ``engine_args``' other
+    settings, e.g. serve_vs_llamacpp's ``quantization``); with ``num_threads``, its engine computes with that many
+    threads on no CPUs of its own (no ``engine_cpus``: Ray's processes share every CPU with it), but for steps of at
+    most ``ONE_THREAD_MAX_TOKENS`` tokens (a decode of a few streams), which run on one."""
     text = ((ROOT / "configs" / "bench-vs-vllm.yaml").read_text().replace("@BENCH_CHECKPOINT@", str(checkpoint))
             .replace("@SERVED_MODEL_NAME@", served_name))
-    if num_threads is None and dtype is None:
+    if num_threads is None and dtype is None and not engine_args:
         return text
     config = yaml.safe_load(text)
     app = config["applications"][0]["args"]
+    app["engine_args"].update(engine_args or {})
     if dtype is not None:
         app["engine_args"]["dtype"] = dtype
     if num_threads is not None:
@@ -107,9 +110,10 @@ def bench_config(checkpoint: Path | str, num_threads: int | None = None, served_
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def start_ours(model: BenchModel, log, num_threads: int | None = None, dtype: str | None = None) -> subprocess.Popen:
+def start_ours(model: BenchModel, log, num_threads: int | None = None, dtype: str | None = None,
+               engine_args: dict[str, Any] | None = None) -> subprocess.Popen:
     config = Path(tempfile.mkstemp(prefix="bench-vs-vllm-", suffix=".yaml")[1])
-    config.write_text(bench_config(model.engine_model, num_threads, model.served_name, dtype))
+    config.write_text(bench_config(model.engine_model, num_threads, model.served_name, dtype, engine_args))
     # serve.sh sets Serve's environment as make run does (serve_app.ray_env --local) and RAY_AUTH_MODE
     return subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), str(config)], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -193,13 +197,22 @@ def load_average() -> float:
 
 
 def one_turn(system: str, args, peer_python: str, model: BenchModel, workdir: Path, round_index: int) -> dict:
-    log = open(workdir / f"{system}-{round_index}.log", "w")
-    if system.startswith("ours"):
-        server = start_ours(model, log, len(all_cpus()) if system == "ours-all-cpus" else None, args.dtype)
-    else:
+    def start(log) -> subprocess.Popen:
+        if system.startswith("ours"):
+            return start_ours(model, log, len(all_cpus()) if system == "ours-all-cpus" else None, args.dtype)
         threads_bind = format_cpu_list(all_cpus()) if system == "vllm-all-cpus" else args.vllm_threads_bind
-        server = start_vllm(peer_python, threads_bind, system == "vllm-isolated", log, model, args.dtype)
-    port = PORTS[system]
+        return start_vllm(peer_python, threads_bind, system == "vllm-isolated", log, model, args.dtype)
+
+    return measured_turn(system, PORTS[system], start, args, peer_python, model, workdir, round_index)
+
+
+def measured_turn(system: str, port: int, start: Callable[[Any], subprocess.Popen], args, peer_python: str,
+                  model: BenchModel, workdir: Path, round_index: int) -> dict:
+    """One system's turn: ``start(log)`` starts its server (listening on ``port``), then, once it is ready, the
+    warm-up, ``args.num_prompts`` at ``args.concurrency`` and ``args.one_stream_prompts`` at one stream through
+    ``vllm bench serve``; the server is stopped whatever happens."""
+    log = open(workdir / f"{system}-{round_index}.log", "w")
+    server = start(log)
     try:
         wait_ready(port, server)
         sampling = {"temperature": args.temperature, "top_p": args.top_p}
@@ -217,18 +230,24 @@ def one_turn(system: str, args, peer_python: str, model: BenchModel, workdir: Pa
         log.close()
 
 
-def ratios(turns: list[dict]) -> dict[str, float]:
-    """Our value over vLLM's, from the means over rounds."""
+RATIO_KEYS = (("concurrent", "output_throughput"), ("concurrent", "mean_e2el_ms"),
+              ("one_stream", "median_ttft_ms"), ("one_stream", "median_tpot_ms"))
+
+
+def ratios(turns: list[dict], pairs: Iterable[tuple[str, str]] | None = None,
+           keys: Iterable[tuple[str, str]] = RATIO_KEYS) -> dict[str, float]:
+    """Our value over the peer's, from the means over rounds, for each (ours, peer) of ``pairs`` that ran (None:
+    every system of ours against every peer's), for each (part, key) of ``keys``."""
     def mean(system: str, part: str, key: str) -> float:
         values = [t[part][key] for t in turns if t["system"] == system]
         return sum(values) / len(values)
 
     systems = {t["system"] for t in turns}
     peers = sorted(s for s in systems if not s.startswith("ours"))
+    if pairs is None:
+        pairs = [(ours, peer) for ours in sorted(systems - set(peers)) for peer in peers]
     return {f"{ours} / {peer}: {part}.{key}": mean(ours, part, key) / mean(peer, part, key)
-            for ours in sorted(systems - set(peers)) for peer in peers
-            for part, key in (("concurrent", "output_throughput"), ("concurrent", "mean_e2el_ms"),
-                              ("one_stream", "median_ttft_ms"), ("one_stream", "median_tpot_ms"))}
+            for ours, peer in pairs if {ours, peer} <= systems for part, key in keys}
 
 
 def print_table(turns: list[dict]) -> None:
@@ -243,27 +262,45 @@ def print_table(turns: list[dict]) -> None:
                   f"{turn['load_start']:>5.2f}->{turn['load_end']:<5.2f}")
 
 
+def add_turn_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the rounds and of each turn's requests, the client's Python and --json (what every
+    serve_vs_* benchmark takes; ``check_sampling_args`` checks the sampling ones)."""
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="each round serves every system in turn, the next round in the reverse order")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--one-stream-prompts", type=int, default=16)
+    parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python (vllm bench serve)")
+    add_sampling_args(parser)
+    parser.add_argument("--json", default=None)
+
+
+def alternate(systems: list[str], rounds: int, concurrency: int, turn: Callable[[str, int], dict]) -> list[dict]:
+    """``turn(system, round)`` for every system in every round, the odd rounds in the reverse order."""
+    turns = []
+    for round_index in range(rounds):
+        for system in systems if round_index % 2 == 0 else systems[::-1]:
+            turns.append(turn(system, round_index))
+            print(f"round {round_index} {system}: {turns[-1]['concurrent']['output_throughput']:.1f} tok/s "
+                  f"at {concurrency} concurrent", flush=True)
+    return turns
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """The flags, checked, with ``args.bench_model`` the resolved ``--model`` (its export not made yet)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.peers.serve_vs_vllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2, help="each round serves ours, then vLLM (or the reverse)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--one-stream-prompts", type=int, default=16)
+    add_turn_args(parser)
     parser.add_argument("--systems", default="ours,ours-all-cpus,vllm,vllm-all-cpus",
                         help="which servers, in the first round's order: ours (make run's API port, the router itself), "
                              "ours-proxy (the same through Serve's proxy), vllm (its defaults, --vllm-threads-bind), "
                              "vllm-isolated (its compute thread alone on CPU 0, as ours, the rest on the other CPUs), "
                              "ours-all-cpus and vllm-all-cpus (a compute thread on every CPU, shared with the rest)")
-    parser.add_argument("--vllm-python", default=None, help="the peer virtualenv's Python")
     parser.add_argument("--vllm-threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND (auto: one core)")
     add_model_arg(parser, what=" both servers serve (vLLM: its Hugging Face directory, a GGUF file's export)")
     parser.add_argument("--cache-dir", default=None, help="where the benchmark checkpoint and GGUF exports are built")
-    add_sampling_args(parser)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="both servers' dtype; auto: what our engine picks for the model here (resolved once)")
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     check_sampling_args(parser, args)
     systems = args.systems.split(",")
@@ -287,13 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model.name} (ours: {model.engine_model}; vLLM and the client: {model.hf_dir()}), served as "
           f"{model.served_name}; load average at start {load_average():.2f}; logs and raw results in {workdir}",
           flush=True)
-    turns = []
-    for round_index in range(args.rounds):
-        order = systems if round_index % 2 == 0 else systems[::-1]
-        for system in order:
-            turns.append(one_turn(system, args, peer_python, model, workdir, round_index))
-            print(f"round {round_index} {system}: {turns[-1]['concurrent']['output_throughput']:.1f} tok/s "
-                  f"at {args.concurrency} concurrent", flush=True)
+    turns = alternate(systems, args.rounds, args.concurrency,
+                      lambda system, round_index: one_turn(system, args, peer_python, model, workdir, round_index))
     print_table(turns)
     summary = {"model": model.describe(), "turns": turns, "workdir": str(workdir)}
     if any(s.startswith("ours") for s in systems) and any(not s.startswith("ours") for s in systems):
