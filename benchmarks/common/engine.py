@@ -26,11 +26,12 @@ def build_engine(model: str, warm_up: Sequence[int] | None = None, **engine_kwar
 
 def engine_args(batching: str, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                 threads: int | None = None, num_kv_blocks: int = NUM_KV_BLOCKS,
-                prefill_lane: bool = True, dtype: str = "float32") -> dict[str, Any]:
-    """Engine arguments for the benchmark: CPU, ``dtype``, by default the 8,000-token KV budget."""
+                prefill_lane: bool = True, dtype: str = "float32", quantization: str = "none") -> dict[str, Any]:
+    """Engine arguments for the benchmark: CPU, ``dtype``, by default the 8,000-token KV budget, and a GGUF file
+    dequantized (``quantization="none"``: the model the peers load from its Hugging Face export)."""
     return dict(device="cpu", dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, batching=batching,
-                num_threads=threads, prefill_lane=prefill_lane)
+                num_threads=threads, prefill_lane=prefill_lane, quantization=quantization)
 
 
 def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None = None, prefill_lane: bool = True,
@@ -44,7 +45,7 @@ def make_engine(model_path: str, batching: str, args, max_num_seqs: int | None =
     budget = max(args.max_num_batched_tokens, max_num_seqs)  # the engine needs a token per slot at least
     return build_engine(model_path, warm_up=_token_range_of(model_path),
                         **engine_args(batching, max_num_seqs, budget, args.threads, kv_blocks(args), prefill_lane,
-                                      getattr(args, "dtype", "float32")),
+                                      getattr(args, "dtype", "float32"), getattr(args, "quantization", "none")),
                         speculative_config=speculative_config)
 
 
@@ -76,6 +77,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(bfloat16 for a half-precision or quantized checkpoint where the CPU has bfloat16 "
                              "instructions and our kernels use them, else float32), resolved once and given to the "
                              "peers too")
+    parser.add_argument("--quantization", choices=["none", "auto"], default="none",
+                        help="ours on a GGUF file: none (dequantized: the model the peers load, the default) or auto "
+                             "(its Q4/Q8 weights kept quantized)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64,
                         help="batch slots of continuous batching (ours; hf-cb's max_requests_per_batch)")
     parser.add_argument("--static-batch-size", type=positive_int, default=8,

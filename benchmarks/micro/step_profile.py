@@ -16,6 +16,9 @@ The timers add a few microseconds per call (~300 calls a step), which land in th
 alternately, ``--rounds`` times, and each kind's median over rounds is reported; ``--plot`` draws the shares.
 
     python -m benchmarks.micro.step_profile --dtypes float32,bfloat16 --plot docs/images/step_profile.png
+    python -m benchmarks.micro.step_profile --dtypes bfloat16 --quantizations none,auto --decode-rows 1 --threads 1
+
+``--quantizations``: a GGUF file dequantized (``none``, the default) and/or kept quantized (``auto``), each a system.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def instrument(engine) -> KindTimers:
     module functions the model calls through ``ops``)."""
     from torch import nn
 
+    from inflight.engine.models.quantized import QuantLinear
     from inflight.kernels import cpu_kernels
 
     timers = KindTimers()
@@ -69,7 +73,7 @@ def instrument(engine) -> KindTimers:
     model = runner.model
     for layer in model.model.layers:
         for module in layer.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, (nn.Linear, QuantLinear)):
                 timers.wrap(module, "forward", "linears")
         timers.wrap(layer.self_attn, "rope", "elementwise")
     timers.wrap(model.lm_head, "forward", "lm head")
@@ -133,6 +137,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(parser)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    parser.add_argument("--quantizations", default="none", help="comma-separated: none, auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--decode-rows", type=int, default=16)
@@ -146,6 +151,9 @@ def parse_args(argv=None):
     bad = [d for d in args.dtypes if d not in ("float32", "bfloat16")]
     if bad or not args.dtypes:
         parser.error(f"--dtypes: float32 and/or bfloat16, got {args.dtypes}")
+    args.quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
+    if not args.quantizations or any(q not in ("none", "auto") for q in args.quantizations):
+        parser.error(f"--quantizations: none and/or auto, got {args.quantizations}")
     args.bench_model = model_from_args(parser, args)
     return args
 
@@ -154,8 +162,10 @@ def run(args) -> dict[str, Any]:
     model = args.bench_model
     engines = {}
     for dtype in args.dtypes:
-        engine = build_engine(model.engine_model, **engine_args("continuous", threads=args.threads, dtype=dtype))
-        engines[dtype] = (engine, instrument(engine))
+        for quantization in args.quantizations:
+            engine = build_engine(model.engine_model, **engine_args("continuous", threads=args.threads, dtype=dtype,
+                                                                    quantization=quantization))
+            engines[dtype if quantization == "none" else f"{dtype}, kept quantized"] = (engine, instrument(engine))
     rng = random.Random(args.seed)
     prefill: dict[str, list] = defaultdict(list)
     decode: dict[str, list] = defaultdict(list)
