@@ -12,7 +12,7 @@ BatchingMode = Literal["continuous", "static"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("auto", "none")  # engine.models.loader.QUANTIZATIONS
+QUANTIZATIONS = ("auto", "none", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 ADMISSION_MODES = ("max_utilization", "guaranteed_no_evict")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -69,9 +69,10 @@ class EngineConfig:
     # continuous batching only. False: the general path schedules every step (for comparison; same results).
     persistent_batch: bool = True
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape (benchmarks; no weight files read)
-    # "auto": a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights stay quantized on the CPU (int8 kernels, 4.5-8.5 bits a weight
+    # "auto": a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights stay quantized on the CPU (int8 kernels, 6-10 bits a weight
     # read per step instead of 16); other types, and every weight on a GPU, are dequantized to dtype. "none":
-    # everything dequantized (the exact model transformers loads from the file).
+    # everything dequantized (the exact model transformers loads from the file). "fp8" (GPU): the layers' linear
+    # weights quantized at load to float8 e4m3, a scale per output row (half of bf16's bytes; Triton kernel).
     quantization: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
     # CPU, more than one thread: a step of at most this many tokens (a decode of a few rows) runs on one thread.

@@ -167,15 +167,18 @@ class StepGaps:
 
 
 def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int, args,
-                  enforce_eager: bool = False, async_scheduling: bool | None = None) -> dict[str, Any]:
+                  enforce_eager: bool = False, async_scheduling: bool | None = None,
+                  quantization: str = "auto") -> dict[str, Any]:
     """Tokens/s of pure decode steps with ``batch`` requests running, after all prompts are in, and the GPU's
-    idle gap between two steps (``StepGaps``). ``async_scheduling`` None is the engine's default (on, on CUDA)."""
+    idle gap between two steps (``StepGaps``). ``async_scheduling`` None is the engine's default (on, on CUDA);
+    ``quantization="fp8"``: the layers' weights in float8 e4m3 (``kernels.triton_fp8``)."""
     from inflight.engine import SamplingParams
 
     engine = build_engine(str(model_dir), load_format="dummy", dtype=args.dtype, max_num_seqs=max(batch, 8),
                           enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                           max_num_batched_tokens=max(8192, batch), attention_backend=args.attention_backend,
-                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=prompt_len + 512)
+                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=prompt_len + 512,
+                          quantization=quantization)
     prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
     # Long enough that nobody finishes before the timed steps end (the first rows decode while others prefill).
     params = SamplingParams(max_tokens=timed_steps + prefill_steps + 16, temperature=0.0, ignore_eos=True)
@@ -197,6 +200,7 @@ def engine_decode(model_dir: Path, batch: int, prompt_len: int, timed_steps: int
             assert len(outputs) == batch, "a request left the batch during the timed decode"
         seconds = time.perf_counter() - t0
         info = {"backend": engine.runner.backend.name, "block_size": engine.config.block_size,
+                "quantization": quantization,
                 "async_scheduling": engine.async_scheduling, "gpu_gap_us": gaps.median_us(),
                 "kv_blocks": engine.runner.num_kv_blocks, "cuda_graphs": engine.runner.graphs is not None,
                 "decode_config": str(getattr(engine.runner.backend, "_decode_config", lambda *a: None)(
@@ -451,21 +455,26 @@ def main(argv=None) -> int:
     if "decode" in sections:
         prompt_len, steps = 512, (8 if args.quick else 32)
         batches = (1, 8) if args.quick else (1, 64, 256)
-        # the largest batch once more with the synchronous loop: what async scheduling hides of the host's work
-        for batch, loop in [*((b, None) for b in batches), (batches[-1], False)]:
-            def decode(batch=batch, loop=loop):
+        # the largest batch once more with the synchronous loop: what async scheduling hides of the host's work;
+        # then FP8 weights (quantization="fp8", issue 48) at one row and 64
+        runs = [*((b, None, "auto") for b in batches), (batches[-1], False, "auto"),
+                *((b, None, "fp8") for b in ((1,) if args.quick else (1, 64)))]
+        for batch, loop, quantization in runs:
+            def decode(batch=batch, loop=loop, quantization=quantization):
                 try:
-                    measured = engine_decode(model_dir, batch, prompt_len, steps, args, async_scheduling=loop)
+                    measured = engine_decode(model_dir, batch, prompt_len, steps, args, async_scheduling=loop,
+                                             quantization=quantization)
                 except Exception as error:  # keep a number: fall back to eager steps, and say why
                     traceback.print_exc()
                     free_cuda()
                     measured = engine_decode(model_dir, batch, prompt_len, steps, args, enforce_eager=True,
-                                             async_scheduling=loop)
+                                             async_scheduling=loop, quantization=quantization)
                     measured["graphs_error"] = f"{type(error).__name__}: {error}"
                 bound = roofline(batch, prompt_len + 3 + steps / 2, num_layers, read_bw,  # mean context while timed
                                  getattr(torch, args.dtype).itemsize)
                 return {**measured, **bound, "fraction_of_roofline": measured["tokens_per_s"] / bound["roofline_tokens_per_s"]}
-            run_section(results, f"decode_b{batch}" + ("_sync" if loop is False else ""), decode)
+            run_section(results, f"decode_b{batch}" + ("_sync" if loop is False else "") +
+                        ("_fp8" if quantization == "fp8" else ""), decode)
     if "speculative" in sections:
         run_section(results, "speculative", lambda: speculative_runs(model_dir, args, new_tokens=32 if args.quick
                                                                        else 128))
@@ -528,7 +537,8 @@ def print_summary(results: dict[str, Any]) -> None:  # noqa: C901 (one row per m
             rows.append((key, r["error"]))
         else:
             loop = "async" if r.get("async_scheduling") else "sync"
-            rows.append((f"decode batch {r['batch']} ({r['backend']}, {loop}): tok/s, step ms, forward ms, "
+            fp8 = ", fp8 weights" if r.get("quantization") == "fp8" else ""
+            rows.append((f"decode batch {r['batch']} ({r['backend']}, {loop}{fp8}): tok/s, step ms, forward ms, "
                          "% roofline, GPU gap us",
                          f"{num(r['tokens_per_s'])}, {r['step_ms']:.2f}, {num(r.get('graph_replay_ms'), fmt='{:.2f}')}, "
                          f"{r['fraction_of_roofline']:.0%}, {num(r.get('gpu_gap_us'), fmt='{:.0f}')}"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -21,7 +22,7 @@ from inflight.engine.config import QUANTIZATIONS
 from inflight.engine.models.gguf_checkpoint import read_gguf_tensors
 from inflight.engine.models.gguf_quant import QuantValues
 from inflight.engine.models.llama import CausalLM
-from inflight.engine.models.quantized import QuantEmbedding, QuantLinear, set_submodule
+from inflight.engine.models.quantized import QuantEmbedding, QuantLinear, set_submodule, to_fp8
 from inflight.engine.models.source import ModelSource
 from inflight.kernels import AttentionBackend, quantized
 
@@ -41,7 +42,7 @@ def keeps_quantized(quantization: str, device: torch.device) -> bool:
     """Whether a GGUF file's Q4/Q8 weights stay quantized: ``quantization`` "auto", on the CPU, kernels built."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization == "none":
+    if quantization in ("none", "fp8"):
         return False
     if device.type != "cpu":
         logger.info("quantized weights are dequantized on %s (their kernels are the CPU's)", device.type)
@@ -76,7 +77,21 @@ def build_model(source: ModelSource, backend: AttentionBackend, max_positions: i
         load_weights(model, read_gguf_tensors(Path(source.name), source.config, keep), Path(source.name).name)
     else:
         load_weights(model, read_safetensors(Path(source.name)), source.name)
+    if quantization == "fp8":
+        check_fp8(device)
+        logger.info("fp8: %d linears' weights quantized to float8 e4m3", to_fp8(model))
     return model.eval()
+
+
+def check_fp8(device: torch.device) -> None:
+    """``quantization="fp8"`` runs a Triton kernel: on a CUDA device, or under Triton's interpreter (the tests)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"quantization: 'fp8' needs a CUDA GPU (its kernel is Triton's), not {device.type}; "
+                         "on a CPU, 'auto' keeps a GGUF file's Q4/Q8 weights quantized")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ValueError("quantization: 'fp8' needs Triton, which is not installed") from e
 
 
 @torch.no_grad()

@@ -153,3 +153,38 @@ def test_the_real_model_kept_quantized_parts_from_the_dequantized_one_only_at_ne
     # (2026-12-07: 3 of 12 identical to their 32 tokens; llama.cpp's server, on the same file with the same int8
     # activations, parts from the dequantized model at the same first near-tie: "L'Étoile" for France's capital)
     assert identical >= 1, "no answer identical"
+
+
+def test_fp8_weights_give_the_model_of_their_dequantized_values(checkpoint, tmp_path):
+    """``quantization="fp8"``: the layers' linears in float8 e4m3 through the Triton kernel (here under Triton's
+    interpreter, which tests/conftest.py turns on). The reference is the same checkpoint with each layer weight
+    replaced by its e4m3 value times its row's scale, run dequantized: the same numbers up to float32 sums."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from inflight.engine.models.quantized import Fp8Linear
+    from inflight.kernels import triton_fp8
+
+    path = checkpoint("qwen2")  # (a qkv bias, tied embeddings)
+    reference_dir = tmp_path / "fp8-values"
+    shutil.copytree(path, reference_dir)
+    weights = load_file(str(path / "model.safetensors"))
+    for name, tensor in weights.items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            weights[name] = triton_fp8.dequantize(*triton_fp8.quantize(tensor)).to(tensor.dtype)
+    save_file(weights, str(reference_dir / "model.safetensors"))
+    fp8 = LLM(str(path), device="cpu", dtype="float32", quantization="fp8")
+    reference = LLM(str(reference_dir), device="cpu", dtype="float32")
+    model = fp8.engine.runner.model
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 4 * 2
+    assert not isinstance(model.lm_head, Fp8Linear)
+    ids = fp8.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    got, want = np.array(prompt_logprobs(fp8, ids)), np.array(prompt_logprobs(reference, ids))
+    assert np.abs(got - want).max() < 1e-3
+
+
+def test_fp8_on_a_cpu_is_refused_naming_quantization(checkpoint, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="quantization: 'fp8' needs a CUDA GPU"):
+        LLM(str(checkpoint("llama")), device="cpu", dtype="float32", quantization="fp8")
