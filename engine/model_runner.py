@@ -30,6 +30,7 @@ from inflight.engine.models.cpu_decode import FusedDecode
 from inflight.engine.models.cpu_packing import pack_linear_weights
 from inflight.engine.models.llama import CausalLM
 from inflight.engine.models.loader import build_model
+from inflight.engine.models.quantized import weight_bytes
 from inflight.engine.models.source import ModelSource
 from inflight.engine.prompt_outputs import PromptOutput, prompt_outputs
 from inflight.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
@@ -108,6 +109,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device,
                                            config.load_format, config.quantization)
+        logger.info("model weights: %.1f MB in memory", weight_bytes(self.model) / 1e6)  # (quantized ones as kept)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # faster decode-sized matmuls (see cpu_packing.py)
             if self.dtype == torch.bfloat16 and self.backend.elementwise_ops() is not None:

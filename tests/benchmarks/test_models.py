@@ -140,8 +140,9 @@ def test_the_export_is_a_checkpoint_our_engine_and_transformers_read_as_the_gguf
     # the same greedy tokens from our engine on either, and from transformers on the export (what the peers load)
     prompt = source.tokenizer.chat_prompt(messages)["prompt_token_ids"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    ours = [LLM(m, device="cpu", dtype="float32").generate([prompt], params)[0].outputs[0].token_ids
-            for m in (str(tiny_gguf), str(path))]
+    # (the GGUF file dequantized: the model the export holds)
+    ours = [LLM(m, device="cpu", dtype="float32", quantization="none").generate([prompt], params)[0]
+            .outputs[0].token_ids for m in (str(tiny_gguf), str(path))]
     assert ours[0] == ours[1] and len(ours[0]) == 12
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
@@ -170,8 +171,8 @@ def test_the_real_models_export_gives_the_same_greedy_tokens_as_the_gguf():
     prompt = model.tokenizer.chat_prompt(messages)["prompt_token_ids"]
     assert exported.tokenizer.chat_prompt(messages)["prompt_token_ids"] == prompt
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    outputs = [LLM(m, device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=32).generate([prompt], params)
-               [0].outputs[0].token_ids for m in (model.engine_model, str(path))]
+    outputs = [LLM(m, device="cpu", dtype="float32", quantization="none", max_model_len=256, num_kv_blocks=32)
+               .generate([prompt], params)[0].outputs[0].token_ids for m in (model.engine_model, str(path))]
     assert outputs[0] == outputs[1] and len(outputs[0]) >= 4
 
 
