@@ -1,5 +1,5 @@
 """The real model through real Ray Serve and HTTP, as `make run` serves it: SmolLM2-135M-Instruct from its GGUF
-file, asked with OpenAI's own client. A greedy chat names Paris; the streamed text equals the whole answer; a
+file, asked with OpenAI's own client. A greedy chat multiplies right; the streamed text equals the whole answer; a
 ``json_schema`` answer validates; ``tool_choice: "required"`` gives a valid call; a token budget that ends
 inside the JSON or the call says ``finish_reason: "length"`` and hands back what there is.
 
@@ -24,7 +24,9 @@ REAL_APP_ARGS = {
     "engine_args": {"max_model_len": 2048, "max_num_seqs": 8, "num_threads": 1, "num_kv_blocks": 256},
     "num_cpus_per_replica": 0.5,
 }
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# (not France's capital: kept quantized, as `make run` serves the file, the model answers that near-tie with
+# "L'Étoile, ...", as llama.cpp does from the same file: docs/benchmarks.md, issue 48)
+QUESTION = [{"role": "user", "content": "What is 17 times 3?"}]
 CAPITAL = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
            "required": ["city", "country"], "additionalProperties": False}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
@@ -47,10 +49,10 @@ def client(ray_cluster):
     delete_app(APP_NAME)
 
 
-def test_a_greedy_chat_names_paris_and_the_stream_says_the_same(client):
+def test_a_greedy_chat_multiplies_right_and_the_stream_says_the_same(client):
     whole = client.chat.completions.create(model=SMOLLM2, messages=QUESTION, temperature=0, max_tokens=64)
     answer = whole.choices[0].message.content
-    assert "Paris" in answer and whole.choices[0].finish_reason == "stop"
+    assert "51" in answer and whole.choices[0].finish_reason == "stop"
     chunks = client.chat.completions.create(model=SMOLLM2, messages=QUESTION, temperature=0, max_tokens=64,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
