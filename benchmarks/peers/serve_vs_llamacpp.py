@@ -53,11 +53,10 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common.models import BenchModel, add_model_arg, model_from_args
+from benchmarks.common.models import BenchModel, add_model_arg
 from benchmarks.common.report import write_json
-from benchmarks.common.workloads import check_sampling_args
-from benchmarks.peers.serve_vs_vllm import (ROOT, add_turn_args, alternate, bench_config, load_average, measured_turn,
-                                            print_table, ratios, start_ours)
+from benchmarks.peers.serve_vs_vllm import (ROOT, alternate, bench_config, check_turn_args, load_average,
+                                            measured_turn, print_table, ratios, start_ours, turn_parser)
 from benchmarks.peers.vllm_baseline import resolve_peer_python
 from inflight.serve_app.ray_env import API_PORT
 
@@ -193,9 +192,7 @@ def targets(turns: list[dict]) -> dict[str, bool]:
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """The flags, checked, with ``args.bench_model`` the resolved ``--model`` (a GGUF file's; no export made yet)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers.serve_vs_llamacpp", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_turn_args(parser)
+    parser = turn_parser("benchmarks.peers.serve_vs_llamacpp", __doc__)
     parser.add_argument("--systems", default="ours,llamacpp",
                         help=f"which servers, in the first round's order, of {', '.join(PORTS)}: ours (the file "
                              f"kept quantized, --dtype), ours-bf16 (dequantized, bfloat16), llamacpp (llama-server "
@@ -210,12 +207,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="bfloat16",
                         help="ours' dtype (ours-bf16: always bfloat16); auto: what our engine picks here")
     args = parser.parse_args(argv)
-    check_sampling_args(parser, args)
-    systems = args.systems.split(",")
-    if not set(systems) <= set(PORTS):
-        parser.error(f"--systems: choose from {', '.join(PORTS)}")
-    args.systems = systems
-    args.bench_model = model_from_args(parser, args)
+    check_turn_args(parser, args, PORTS)
     if args.bench_model.gguf_file is None:
         parser.error(f"--model {args.bench_model.name}: llama-server needs a GGUF file (a packaged model or a .gguf)")
     args.dtype = args.bench_model.run_dtype(args.dtype)

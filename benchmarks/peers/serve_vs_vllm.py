@@ -262,6 +262,14 @@ def print_table(turns: list[dict]) -> None:
                   f"{turn['load_start']:>5.2f}->{turn['load_end']:<5.2f}")
 
 
+def turn_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """A serve_vs_* benchmark's parser (``python -m module``, ``doc`` its help), with ``add_turn_args``' flags."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_turn_args(parser)
+    return parser
+
+
 def add_turn_args(parser: argparse.ArgumentParser) -> None:
     """The flags of the rounds and of each turn's requests, the client's Python and --json (what every
     serve_vs_* benchmark takes; ``check_sampling_args`` checks the sampling ones)."""
@@ -288,9 +296,7 @@ def alternate(systems: list[str], rounds: int, concurrency: int, turn: Callable[
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """The flags, checked, with ``args.bench_model`` the resolved ``--model`` (its export not made yet)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers.serve_vs_vllm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_turn_args(parser)
+    parser = turn_parser("benchmarks.peers.serve_vs_vllm", __doc__)
     parser.add_argument("--systems", default="ours,ours-all-cpus,vllm,vllm-all-cpus",
                         help="which servers, in the first round's order: ours (make run's API port, the router itself), "
                              "ours-proxy (the same through Serve's proxy), vllm (its defaults, --vllm-threads-bind), "
@@ -302,14 +308,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="both servers' dtype; auto: what our engine picks for the model here (resolved once)")
     args = parser.parse_args(argv)
-    check_sampling_args(parser, args)
-    systems = args.systems.split(",")
-    if not set(systems) <= set(PORTS):
-        parser.error(f"--systems: choose from {sorted(PORTS)}")
-    args.systems = systems
-    args.bench_model = model_from_args(parser, args)
+    check_turn_args(parser, args, PORTS)
     args.dtype = args.bench_model.run_dtype(args.dtype)
     return parser, args
+
+
+def check_turn_args(parser: argparse.ArgumentParser, args: argparse.Namespace, known_systems) -> None:
+    """What every serve_vs_* benchmark checks once parsed: the sampling flags, ``--systems`` (split, each one of
+    ``known_systems``) and ``--model`` (resolved into ``args.bench_model``)."""
+    check_sampling_args(parser, args)
+    systems = args.systems.split(",")
+    if not set(systems) <= set(known_systems):
+        parser.error(f"--systems: choose from {', '.join(known_systems)}")
+    args.systems = systems
+    args.bench_model = model_from_args(parser, args)
 
 
 def main(argv: list[str] | None = None) -> int:
