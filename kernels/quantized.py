@@ -105,11 +105,17 @@ def unpack(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight as floats [n, k]: what the kernels' ``quant_rows`` gives (float32, then rounded to ``dtype``)."""
-    q, scale, minimum = unpack(weight)
-    blocks = q.double().reshape(weight.out_features, -1, BLOCK)
+    return dequantize_values(*unpack(weight), dtype)
+
+
+def dequantize_values(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """scale * q + minimum per block of 32, from what ``pack_*`` takes (q [n, k], scale and minimum [n, k / 32])."""
+    n, k = q.shape
+    blocks = q.double().reshape(n, -1, BLOCK)
     # fma(scale, q, min) as the kernel: the product is exact in float64, and so is the sum at these magnitudes
     w = blocks * scale.double()[..., None] + minimum.double()[..., None]
-    return w.reshape(weight.out_features, weight.in_features).float().to(dtype)
+    return w.reshape(n, k).float().to(dtype)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,7 +52,7 @@ class QuantValues:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [n, k], as the kernels' embedding rows compute it."""
-        return quantized.dequantize(self.pack())
+        return quantized.dequantize_values(self.q, self.scale, self.minimum)
 
     @staticmethod
     def concat(parts: list[QuantValues]) -> QuantValues:

@@ -134,7 +134,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
     cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     split_sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
-    pending: dict[str, dict[int, QuantValues]] = {}  # our weight name -> its parts (by shard) so far
+    pending: dict[str, tuple[str, dict[int, QuantValues]]] = {}  # our weight name -> (fused, its parts so far)
     for hf_name, tensor in tensors:
         if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
@@ -156,7 +156,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
             raise ValueError(f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(target.shape)}")
         if isinstance(tensor, QuantValues):
-            parts = pending.setdefault(name, {})
+            parts = pending.setdefault(name, (fused, {}))[1]
             parts[shard] = tensor
             if len(parts) == (len(split_sizes[fused]) if fused is not None else 1):
                 _place_quantized(model, name, [parts[i] for i in range(len(parts))], params[name])
@@ -164,19 +164,15 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
         else:
             target.copy_(tensor)
         missing.discard(name)
-    for name, parts in pending.items():  # a fused linear whose other parts came as floats: dequantized too
+    for name, (fused, parts) in pending.items():  # a fused linear whose other parts came as floats: dequantized
         logger.info("%s: dequantized (its fused parts are not all quantized)", name.removesuffix(".weight"))
         for shard, values in parts.items():
-            start = sum(split_sizes[_fused_of(name)][:shard])
+            start = sum(split_sizes[fused][:shard])
             params[name].data[start:start + values.shape[0]].copy_(values.dequantize())
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"model: weights missing from checkpoint: {', '.join(sorted(missing)[:8])}")
-
-
-def _fused_of(name: str) -> str:
-    return next(fused for fused, _ in _FUSED.values() if f".{fused}." in name)
 
 
 def _place_quantized(model: CausalLM, name: str, parts: list[QuantValues], param: torch.Tensor) -> None:

@@ -124,7 +124,7 @@ class VocabParallelHead(nn.Module):
 
 
 def _rows(t: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    return torch.cat([t[a:b] for a, b in ranges]).clone()
+    return torch.cat([t[a:b] for a, b in ranges])  # (a new tensor: the full weight can go)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -169,6 +169,5 @@ def shard_model(model: nn.Module, shard: Shard, group=None) -> nn.Module:
     else:
         head_rows = F.pad(model.lm_head.weight, (0, 0, 0, s.vocab_rows * s.size - cfg.vocab_size))
         head_rows = head_rows[start:start + s.vocab_rows].clone()
-    model.lm_head = VocabParallelHead(head_rows, cfg.vocab_size, group)
-    model.tie_weights = lambda: None  # (the head already shares the embedding's rows where tied)
+    model.lm_head = VocabParallelHead(head_rows, cfg.vocab_size, group)  # (tied: the embedding's own rows)
     return model
