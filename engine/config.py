@@ -74,7 +74,12 @@ class EngineConfig:
     # everything dequantized (the exact model transformers loads from the file). "fp8" (GPU): the layers' linear
     # weights quantized at load to float8 e4m3, a scale per output row (half of bf16's bytes; Triton kernel).
     quantization: str = "auto"
-    num_threads: int | None = None  # torch intra-op threads on the CPU; None leaves torch's default
+    # Ranks the model is cut over (engine/parallel/): rank 0 is the engine's own process, the others worker processes
+    # started with it, each holding its part of every layer and its own KV cache (for its heads). On a CPU each rank
+    # gets a contiguous part of the CPUs the engine may use. The sizes a model allows: at most its KV heads, or a
+    # multiple of them that divides each KV head's query heads (a wrong one is refused, naming those that work).
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None  # torch intra-op threads on the CPU (per rank); None leaves torch's default
     # CPU, more than one thread: a step of at most this many tokens (a decode of a few rows) runs on one thread.
     # Such a step gains little from a second thread, and where the serving processes share the cores (a server's
     # router and replica handle every token a step makes) its other threads wait for a core at every op: one
@@ -171,6 +176,12 @@ class EngineConfig:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be one of {QUANTIZATIONS}")
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
+                or self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", "must be an integer >= 1")
+        if self.tensor_parallel_size > 1 and self.quantization == "fp8":
+            raise bad("quantization", "cannot be 'fp8' with tensor_parallel_size > 1 yet (its weights are quantized "
+                                      "whole at load)")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise bad("num_threads", "must be a positive integer or None")
         if not isinstance(self.one_thread_max_tokens, int) or isinstance(self.one_thread_max_tokens, bool) \

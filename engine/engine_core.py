@@ -270,5 +270,7 @@ def child_main(address: str) -> int:
             conn.send(CoreDied(repr(e)))
         finally:
             raise
+    finally:
+        engine.close()  # the process ends with os._exit: its tensor-parallel ranks are stopped here
     return 0
 

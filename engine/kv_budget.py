@@ -63,7 +63,7 @@ def peak_step_bytes(runner: ModelRunner, max_model_len: int) -> int:
     cfg, bs = runner.model_config, runner.block_size
     num_tokens = min(runner.config.max_num_batched_tokens, max_model_len)
     num_blocks = -(-num_tokens // bs)
-    shape = runner.backend.kv_cache_shape(num_blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim)
+    shape = runner.backend.kv_cache_shape(num_blocks + 1, bs, runner.kv_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=runner.dtype, device=runner.device),
                torch.zeros(shape, dtype=runner.dtype, device=runner.device)) for _ in range(cfg.num_layers)]
     layout = BatchLayout(query_lens=[num_tokens], seq_lens=[num_tokens],
@@ -74,7 +74,7 @@ def peak_step_bytes(runner: ModelRunner, max_model_len: int) -> int:
     before = torch.cuda.memory_allocated(runner.device)
     hidden = runner.model(torch.zeros(num_tokens, dtype=torch.long, device=runner.device),
                           torch.arange(num_tokens, device=runner.device), caches, runner.backend.prepare(layout))
-    logits = runner.model.compute_logits(hidden[:min(num_tokens, runner.config.max_num_seqs)]).float()
+    logits = runner.model.compute_logits(hidden[:min(num_tokens, runner.config.max_num_seqs)])
     torch.cuda.synchronize(runner.device)
     peak = torch.cuda.max_memory_allocated(runner.device) - before
     del caches, hidden, logits

@@ -348,6 +348,11 @@ class LLMEngine:
     def async_scheduling(self) -> bool:
         return self._launcher.on_device_thread
 
+    def close(self) -> None:
+        """Stop the model's other tensor-parallel ranks, if any (idempotent; also done when the engine is collected
+        or the process exits)."""
+        self.runner.close()
+
     def stats(self) -> dict[str, Any]:
         kv, preemption, diagnosis = self.scheduler.kv_stats(), self.scheduler.preemption, self.kv_watch.diagnosis
         return {

@@ -32,6 +32,8 @@ from inflight.engine.models.llama import CausalLM
 from inflight.engine.models.loader import build_model
 from inflight.engine.models.quantized import weight_bytes
 from inflight.engine.models.source import ModelSource
+from inflight.engine.models.tensor_parallel import Shard, check_tensor_parallel_size, shard_model
+from inflight.engine.parallel.ranks import TensorParallel, start_ranks
 from inflight.engine.prompt_outputs import PromptOutput, prompt_outputs
 from inflight.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from inflight.engine.structured_output import GrammarCompiler
@@ -87,17 +89,34 @@ class RunnerOutput:
 
 
 class ModelRunner:
+    """One rank's runner. With ``tensor_parallel_size`` > 1, rank 0 (built without ``parallel``) starts the other
+    ranks' processes, each building a runner of its own with ``parallel`` given; rank 0 sends each step to them
+    (``engine.parallel.ranks``) and alone samples (the others' ``sampler`` is None)."""
+
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
-                 shared: SharedBudget | None = None) -> None:
+                 shared: SharedBudget | None = None, parallel: TensorParallel | None = None) -> None:
         self.config = config
         self.shared = shared
+        if parallel is None and config.tensor_parallel_size > 1:
+            check_tensor_parallel_size(source.config, config.tensor_parallel_size)
+            parallel = start_ranks(config, max_model_len)  # the workers load while this rank does
+        self.parallel = parallel
+        try:
+            self._build(config, source, max_model_len)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        parallel = self.parallel
         self.device = resolve_device(config.device)
         self.dtype, why = choose_dtype(config.dtype, source.config.torch_dtype, self.device)
         logger.info("running in %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self._threads = None  # (thread, count) the last step ran on, where steps may change the count
         if self.device.type == "cpu":
-            if config.num_threads is not None:
-                torch.set_num_threads(config.num_threads)
+            threads = config.num_threads or (parallel.threads if parallel is not None else None)
+            if threads is not None:
+                torch.set_num_threads(threads)
             if config.one_thread_max_tokens > 0:
                 self._all = torch.get_num_threads()
                 self._threads = (None, self._all)
@@ -107,17 +126,29 @@ class ModelRunner:
             # e.g. flash-attn's paged KV wants blocks of 256 tokens; the engine reads the adjusted config back
             self.config = config = dataclasses.replace(config, block_size=-(-config.block_size // multiple) * multiple)
         self.block_size = config.block_size
+        quantization = config.quantization
+        if parallel is not None and quantization == "auto" and source.weight_format == "gguf":
+            quantization = "none"  # the cut works on plain weights (GGUF Q4/Q8 kept whole: a later change)
+            logger.info("tensor parallel: a GGUF file's weights are dequantized")
         self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device,
-                                           config.load_format, config.quantization)
+                                           config.load_format, quantization)
+        self.heads, self.kv_heads = source.config.num_heads, source.config.num_kv_heads  # this rank's
+        if parallel is not None:
+            shard = Shard.of(source.config, parallel.rank, parallel.size)
+            shard_model(self.model, shard, parallel.comm)
+            self.heads, self.kv_heads = shard.heads, shard.kv_heads
         logger.info("model weights: %.1f MB in memory", weight_bytes(self.model) / 1e6)  # (quantized ones as kept)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # faster decode-sized matmuls (see cpu_packing.py)
             if self.dtype == torch.bfloat16 and self.backend.elementwise_ops() is not None:
                 self.model.residual_dtype = torch.float32  # the CPU kernels' norm keeps it (CausalLM.residual_dtype)
-                self.model.fused_decode = FusedDecode.for_model(self.model, self.backend)  # (None: layer by layer)
+                if parallel is None:  # (its one C++ call has no place for the ranks' all-reduces)
+                    self.model.fused_decode = FusedDecode.for_model(self.model, self.backend)  # None: layer by layer
         self.model_config = source.config
         self.num_kv_blocks = count_kv_blocks(self, max_model_len)
-        shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, source.config.num_kv_heads,
+        if parallel is not None:  # every rank as many blocks: as many as the rank with least room holds
+            self.num_kv_blocks = parallel.comm.min_int(self.num_kv_blocks)
+        shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, self.kv_heads,
                                             source.config.head_dim)
         # The extra last block is scratch: static-mode padding rows write there and nobody reads it.
         self.kv_caches = [(_reserved(torch.zeros(shape, dtype=self.dtype, device=self.device)),
@@ -125,10 +156,14 @@ class ModelRunner:
                           for _ in range(source.config.num_layers)]
         self.scratch_slot = self.num_kv_blocks * self.block_size
         vocab_size = source.config.vocab_size
-        self.sampler = Sampler(config.seed, lambda: GrammarCompiler(source.tokenizer, vocab_size, source.eos_token_ids))
+        self.sampler = (Sampler(config.seed, lambda: GrammarCompiler(source.tokenizer, vocab_size,
+                                                                     source.eos_token_ids))
+                        if parallel is None or parallel.rank == 0 else None)
         # Host memory for preempted requests' KV (swapping), in the device cache's layout, block for block.
         self.num_swap_blocks = config.swap_space_bytes // self.kv_bytes_per_block
-        host_shape = self.backend.kv_cache_shape(self.num_swap_blocks, self.block_size, source.config.num_kv_heads,
+        if parallel is not None:
+            self.num_swap_blocks = parallel.comm.min_int(self.num_swap_blocks)
+        host_shape = self.backend.kv_cache_shape(self.num_swap_blocks, self.block_size, self.kv_heads,
                                                  source.config.head_dim)
         pin = self.device.type == "cuda"
         self.swap_caches = [(_reserved(torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)),
@@ -141,15 +176,22 @@ class ModelRunner:
             cfg = source.config
             tune = getattr(self.backend, "tune_decode", None)
             if tune is not None:  # before capture: graphs freeze the launch configuration
-                tune(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.block_size, self.dtype)
-            if not config.enforce_eager and getattr(self.backend, "supports_cuda_graphs", False):
+                tune(self.heads, self.kv_heads, cfg.head_dim, self.block_size, self.dtype)
+            # (not under tensor parallelism yet: a graph would have to capture the ranks' collectives)
+            if not config.enforce_eager and parallel is None and getattr(self.backend, "supports_cuda_graphs", False):
                 self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, config.max_num_seqs,
                                            max_model_len, self.block_size, self.scratch_slot, self.device)
 
     @property
     def kv_bytes_per_block(self) -> int:
+        """Of this rank (its KV heads)."""
         cfg = self.model_config
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return 2 * cfg.num_layers * self.block_size * self.kv_heads * cfg.head_dim * self.dtype.itemsize
+
+    def close(self) -> None:
+        """Stop the other ranks, if any (idempotent)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     def _measure_swap_rate(self) -> float:
         """Bytes per second of one block copy out to the host and back (what choosing swap over recompute weighs)."""
@@ -189,15 +231,20 @@ class ModelRunner:
         started = time.perf_counter()
         cuda = self.device.type == "cuda"
         start_event = recorded_event() if cuda else None
+        workers = self.parallel.workers if self.parallel is not None else None
+        if workers is not None:
+            workers.send_step(batch)  # the other ranks compute it beside this one
         if batch.swap_out or batch.swap_in:
             self.copy_blocks(batch.swap_out, batch.swap_in)
-        if batch.ended_ids:
+        if batch.ended_ids and self.sampler is not None:
             self.sampler.forget(batch.ended_ids)
         if self._threads is not None:
             self._use_threads(len(batch.input_token_ids))
         arrays = self._prepare(batch)
         logits_index = torch.from_numpy(arrays.logits_index).to(self.device, non_blocking=True)
         input_ids = self._input_ids(batch)
+        if self.parallel is not None and batch.placeholder_rows:
+            self.parallel.comm.broadcast(input_ids)  # tokens only rank 0 has sampled (async scheduling)
         if self.graphs is not None and arrays.all_decode and self.graphs.fits(batch.num_rows):
             hidden = self.graphs.run(input_ids, arrays.positions, arrays.slots, arrays.tables, arrays.seq_lens)
         else:
@@ -214,12 +261,12 @@ class ModelRunner:
         if sample_rows and batch.spec_token_ids:
             self._verify(hidden, batch, sample_rows, sampling, output)
         elif sample_rows:
-            logits = self.model.compute_logits(hidden[logits_index])
-            tokens = self.sampler.greedy_tokens(logits, sampling)
+            logits = self.model.compute_logits(hidden[logits_index])  # (None on a rank other than 0: nothing to do)
+            tokens = self.sampler.greedy_tokens(logits, sampling) if logits is not None else None
             if tokens is not None:  # left on the device: collect() brings them to the host
                 step.tokens = tokens
                 step.host_tokens = tokens.to("cpu", non_blocking=True) if cuda else tokens
-            else:
+            elif logits is not None:
                 token_ids, token_logprobs = self.sampler(logits, sampling)
                 for row, token_id, lp in zip(sample_rows, token_ids, token_logprobs):
                     sampled[row] = token_id
@@ -274,6 +321,8 @@ class ModelRunner:
             index.extend(range(token_ends[row] - 1 - len(guesses), token_ends[row]))
             proposed.append(guesses)
         logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)])
+        if logits is None:  # a rank other than 0
+            return
         emitted, emitted_logprobs = self.sampler.verify(logits, sampling, proposed)
         for row, tokens, lps in zip(sample_rows, emitted, emitted_logprobs):
             output.sampled_token_ids[row] = tokens[0]
@@ -287,7 +336,7 @@ class ModelRunner:
         sampled takes it from the step launched before this one (steps run in order, and a pending token is always
         the previous step's), on the host when that step's tokens are there, else on the device."""
         rows, last = batch.placeholder_rows, self._last_launched
-        if not rows:
+        if not rows or self.sampler is None:  # (a rank other than 0 gets the placeholders' tokens from rank 0)
             return torch.from_numpy(np.asarray(batch.input_token_ids, dtype=np.int64)).to(self.device, non_blocking=True)
         position = {request_id: i for i, request_id in enumerate(map(last.request_ids.__getitem__, last.sample_rows))}
         source = [position[batch.request_ids[row]] for row in rows]
@@ -310,6 +359,8 @@ class ModelRunner:
     def execute_prefill(self, batch: PrefillBatch) -> list[PromptOutput]:
         """A prefill-only lane batch: whole prompts in one forward that touches no KV cache (no blocks,
         no slots), attended by ``kernels.dense_prefill``. One output per prompt."""
+        if self.parallel is not None and self.parallel.workers is not None:
+            self.parallel.workers.send_prefill(batch)
         query_lens = [len(ids) for ids in batch.token_ids]
         flat = list(itertools.chain.from_iterable(batch.token_ids))
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)

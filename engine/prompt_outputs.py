@@ -70,7 +70,10 @@ def token_logprobs(model: CausalLM, hidden: torch.Tensor, positions: list[int], 
     for first in range(0, len(positions), chunk):
         index = torch.tensor(positions[first:first + chunk], device=hidden.device)
         wanted = torch.tensor(targets[first:first + chunk], device=hidden.device)
-        logprobs = torch.log_softmax(model.compute_logits(hidden[index]), dim=-1)  # [rows, vocab]
+        logits = model.compute_logits(hidden[index])
+        if logits is None:  # a tensor-parallel rank other than 0: it only takes part in computing them
+            continue
+        logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
         chosen = logprobs.gather(1, wanted[:, None])  # [rows, 1]
         ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
         if num_top:

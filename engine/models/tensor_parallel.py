@@ -10,10 +10,11 @@ Megatron's split, two collectives a layer:
 * the embedding and the LM head are cut by vocabulary rows: a token's embedding comes from the rank holding it
   (zeros elsewhere, all-reduced: exact), and the logits are gathered once, in order.
 
-KV heads fewer than ranks are replicated: with ``size`` a multiple of ``num_kv_heads`` each rank holds the one KV head
-its query heads share. Sizes that divide neither way are a ``ValueError`` naming ``tensor_parallel_size`` and listing
-the sizes the model allows. Collectives are ``torch.distributed``'s all-reduce and all-gather (a list), which gloo
-(CPU) and NCCL (GPU) both have.
+KV heads are dealt to the ranks whole, each with the query heads that read it: as evenly as they go when there are at
+least as many KV heads as ranks (SmolLM2's 3 on 2 ranks: 2 and 1; the MLP, most of a layer, still splits evenly),
+or replicated when the ranks are a multiple of them (each rank holds the one KV head its query heads share). Other
+sizes are a ``ValueError`` naming ``tensor_parallel_size`` and listing the sizes the model allows. The collectives are
+``engine.parallel.collectives``' (shared memory between CPU ranks, NCCL between GPUs).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from inflight.engine.models.config import ModelConfig
+from inflight.engine.parallel.collectives import Collectives
 
 
 def sizes_allowed(cfg: ModelConfig, up_to: int = 64) -> list[int]:
@@ -35,11 +36,11 @@ def sizes_allowed(cfg: ModelConfig, up_to: int = 64) -> list[int]:
 
 def _problems(cfg: ModelConfig, size: int) -> list[str]:
     problems = []
-    if cfg.num_heads % size:
-        problems.append(f"{cfg.num_heads} query heads")
-    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
-        problems.append(f"{cfg.num_kv_heads} KV heads (a size must divide them or be a multiple of them)")
-    if cfg.intermediate_size % size:
+    group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
+    if size > cfg.num_kv_heads and (size % cfg.num_kv_heads or group % (size // cfg.num_kv_heads)):
+        problems.append(f"{cfg.num_kv_heads} KV heads of {group} query heads each (a size must be at most the KV "
+                        f"heads, or a multiple of them that divides each one's query heads)")
+    if cfg.intermediate_size < size:
         problems.append(f"intermediate size {cfg.intermediate_size}")
     return problems
 
@@ -49,76 +50,91 @@ def check_tensor_parallel_size(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size: must be a positive integer, got {size!r}")
     problems = _problems(cfg, size)
     if problems:
-        raise ValueError(f"tensor_parallel_size: {size} does not divide the model's {' and '.join(problems)}; "
+        raise ValueError(f"tensor_parallel_size: {size} cannot cut the model's {' and '.join(problems)}; "
                          f"this model allows {', '.join(map(str, sizes_allowed(cfg)))}")
+
+
+def _share(total: int, rank: int, size: int) -> tuple[int, int]:
+    """(first, count) of ``rank``'s part of ``total`` things dealt to ``size`` ranks as evenly as they go."""
+    first = rank * total // size
+    return first, (rank + 1) * total // size - first
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """What rank ``rank`` of ``size`` holds."""
+    """What rank ``rank`` of ``size`` holds: ranges of query heads, KV heads and the MLP's intermediate width, and
+    ``vocab_rows`` rows of the vocabulary (padded so every rank holds as many)."""
 
     rank: int
     size: int
-    heads: int  # query heads
+    first_head: int
+    heads: int
     first_kv_head: int
-    kv_heads: int  # KV heads (one, replicated, when the model has fewer than ranks)
+    kv_heads: int
+    first_intermediate: int
     intermediate: int
-    vocab_rows: int  # rows of the (padded) vocabulary
+    vocab_rows: int
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, size: int) -> Shard:
         check_tensor_parallel_size(cfg, size)
         if not 0 <= rank < size:
             raise ValueError(f"rank: must be in [0, {size}), got {rank}")
-        heads = cfg.num_heads // size
-        kv_heads = max(cfg.num_kv_heads // size, 1)
-        first_kv = rank * cfg.num_kv_heads // size  # replicated: the group this rank's query heads read
-        return cls(rank, size, heads, first_kv, kv_heads, cfg.intermediate_size // size,
+        group = cfg.num_heads // cfg.num_kv_heads
+        if size <= cfg.num_kv_heads:  # whole KV heads, each with its query heads
+            first_kv, kv_heads = _share(cfg.num_kv_heads, rank, size)
+            first_head, heads = first_kv * group, kv_heads * group
+        else:  # replicated: size // num_kv_heads ranks share a KV head, each with its part of that head's queries
+            heads = cfg.num_heads // size
+            first_head, first_kv, kv_heads = rank * heads, rank * heads // group, 1
+        return cls(rank, size, first_head, heads, first_kv, kv_heads, *_share(cfg.intermediate_size, rank, size),
                    -(-cfg.vocab_size // size))
 
 
 class RowParallel(nn.Module):
     """A linear over this rank's input columns; the ranks' partial sums all-reduced."""
 
-    def __init__(self, linear: nn.Linear, group) -> None:
+    def __init__(self, linear: nn.Linear, comm: Collectives) -> None:
         super().__init__()
-        self.linear, self.group = linear, group
+        self.linear, self.comm = linear, comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
-        dist.all_reduce(y, group=self.group)
+        y = self.linear(x).contiguous()
+        self.comm.all_reduce(y)
         return y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + rows) of the vocabulary; other ids give zeros here and their rank's row after the sum."""
 
-    def __init__(self, weight: torch.Tensor, start: int, group) -> None:
+    def __init__(self, weight: torch.Tensor, start: int, comm: Collectives) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.start, self.group = start, group
+        self.start, self.comm = start, comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(torch.where(mine, local, 0), self.weight) * mine[..., None].to(self.weight.dtype)
-        dist.all_reduce(out, group=self.group)
+        self.comm.all_reduce(out)
         return out
 
 
 class VocabParallelHead(nn.Module):
-    """This rank's vocabulary rows of the LM head; the logits gathered in vocabulary order (float32)."""
+    """This rank's vocabulary rows of the LM head (an ``nn.Linear``, so the CPU packing takes it too); the logits,
+    float32, gathered on rank 0 in vocabulary order, where the sampler is. Other ranks get None."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, group) -> None:
+    def __init__(self, weight: torch.Tensor, vocab_size: int, comm: Collectives) -> None:
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
-        self.vocab_size, self.group = vocab_size, group
+        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.linear.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.vocab_size, self.comm = vocab_size, comm
 
-    def float32_forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight).float().contiguous()
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
+    def float32_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        exact = getattr(self.linear, "float32_forward", None)  # unrounded sums of a packed bf16 head
+        local = exact(x) if exact is not None else self.linear(x).float()
+        parts = self.comm.gather(local)
+        return None if parts is None else torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
     forward = float32_forward
 
@@ -136,16 +152,16 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 @torch.no_grad()
-def shard_model(model: nn.Module, shard: Shard, group=None) -> nn.Module:
+def shard_model(model: nn.Module, shard: Shard, comm: Collectives) -> nn.Module:
     """Cut a loaded ``CausalLM`` (its full weights) down to ``shard``'s part, in place; returns it. Run before any
     CPU packing (``cpu_packing`` then packs the cut linears)."""
     cfg = model.config
     hd, s = cfg.head_dim, shard
     q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    q = (s.rank * s.heads * hd, (s.rank + 1) * s.heads * hd)
+    q = (s.first_head * hd, (s.first_head + s.heads) * hd)
     k = (q_size + s.first_kv_head * hd, q_size + (s.first_kv_head + s.kv_heads) * hd)
     v = (k[0] + kv_size, k[1] + kv_size)
-    inter = (s.rank * s.intermediate, (s.rank + 1) * s.intermediate)
+    inter = (s.first_intermediate, s.first_intermediate + s.intermediate)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = attn.qkv_proj
@@ -153,21 +169,21 @@ def shard_model(model: nn.Module, shard: Shard, group=None) -> nn.Module:
                                 _rows(qkv.bias, [q, k, v]) if qkv.bias is not None else None)
         o = attn.o_proj
         attn.o_proj = RowParallel(_linear(o.weight[:, q[0]:q[1]].clone(),
-                                          o.bias if o.bias is not None and s.rank == 0 else None), group)
+                                          o.bias if o.bias is not None and s.rank == 0 else None), comm)
         attn.num_heads, attn.num_kv_heads = s.heads, s.kv_heads
         attn.q_size, attn.kv_size = s.heads * hd, s.kv_heads * hd
         gate_up, width = mlp.gate_up_proj, cfg.intermediate_size
         mlp.gate_up_proj = _linear(_rows(gate_up.weight, [inter, (width + inter[0], width + inter[1])]), None)
-        mlp.down_proj = RowParallel(_linear(mlp.down_proj.weight[:, inter[0]:inter[1]].clone(), None), group)
+        mlp.down_proj = RowParallel(_linear(mlp.down_proj.weight[:, inter[0]:inter[1]].clone(), None), comm)
         mlp.intermediate_size = s.intermediate
     start = s.rank * s.vocab_rows
     padded = F.pad(model.model.embed_tokens.weight, (0, 0, 0, s.vocab_rows * s.size - cfg.vocab_size))
-    embedding = VocabParallelEmbedding(padded[start:start + s.vocab_rows].clone(), start, group)
+    embedding = VocabParallelEmbedding(padded[start:start + s.vocab_rows].clone(), start, comm)
     model.model.embed_tokens = embedding
     if cfg.tie_word_embeddings:
         head_rows = embedding.weight
     else:
         head_rows = F.pad(model.lm_head.weight, (0, 0, 0, s.vocab_rows * s.size - cfg.vocab_size))
         head_rows = head_rows[start:start + s.vocab_rows].clone()
-    model.lm_head = VocabParallelHead(head_rows, cfg.vocab_size, group)  # (tied: the embedding's own rows)
+    model.lm_head = VocabParallelHead(head_rows, cfg.vocab_size, comm)  # (tied: the embedding's own rows)
     return model

@@ -44,7 +44,8 @@ class DraftProposer(Proposer):
                              f"is not the target's ({vocab_size}); a draft must share the target's tokenizer")
         config = dataclasses.replace(engine_config, model=draft_model, num_kv_blocks=num_kv_blocks,
                                      kv_cache_memory_bytes=None, swap_space_bytes=0, enforce_eager=True,
-                                     speculative_config=None, preemption_mode="recompute")
+                                     speculative_config=None, preemption_mode="recompute",
+                                     tensor_parallel_size=1)  # (small: on rank 0 whole)
         self.runner = ModelRunner(config, source, max_model_len)
         self.kv = KVCacheManager(self.runner.num_kv_blocks, self.runner.block_size)
         self.computed: dict[str, int] = {}  # request id -> tokens whose KV the draft holds

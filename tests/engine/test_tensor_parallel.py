@@ -1,9 +1,10 @@
-"""engine.models.tensor_parallel: a model cut over two ranks (two processes, gloo, the CPU's two cores) computes what
-the whole model computes: the same logits up to float32 summation, the same greedy tokens.
+"""engine.models.tensor_parallel: a model cut over two ranks (two processes, the CPU's two cores) computes what
+the whole model computes: the same logits up to float32 summation, the same greedy tokens (the ranks' sums go through
+``engine.parallel.collectives``' shared memory, as in the engine).
 
 Checkpoints: Llama with its KV heads split evenly (4 query / 2 KV heads: one each), Llama with one KV head
 (replicated on both ranks), Qwen3 (q/k norms, head_dim apart from hidden / heads), Qwen2 (a qkv bias, tied
-embeddings, an odd vocabulary: 263 rows padded to 2 x 132). Each rank loads the whole checkpoint and keeps its
+embeddings, an odd vocabulary: 263 rows padded to 2 x 132), Llama with 3 KV heads dealt unevenly (1 and 2). Each rank loads the whole checkpoint and keeps its
 share; the prompt is computed whole (no KV cache), then greedily extended by recomputing, so the test holds the
 model's math alone, not the engine's."""
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ CASES = {
     "llama-one-kv-head": ("llama", {"hidden_size": 128, "num_key_value_heads": 1}),
     "qwen3": ("qwen3", {}),
     "qwen2-bias-tied": ("qwen2", {}),
+    "llama-uneven": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),
 }
 PROMPT = [5, 17, 200, 33, 41, 99, 150, 7, 64, 128, 3, 250]
 NEW_TOKENS = 6
@@ -39,9 +40,12 @@ def config_of(arch: str, **overrides):
 def test_sizes_that_do_not_divide_the_model_are_refused_with_the_sizes_it_allows():
     cfg = config_of("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96, intermediate_size=192)
     assert sizes_allowed(cfg, up_to=8) == [1, 2, 6]
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 does not divide the model's 6 query heads.*"
-                                         r"allows 1, 2, 6"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 cannot cut the model's 2 KV heads of 3 query heads "
+                                         r"each.*allows 1, 2, 6"):
         check_tensor_parallel_size(cfg, 4)
+    # SmolLM2-135M's shape: 9 query heads on 3 KV heads
+    smol = config_of("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=576, intermediate_size=1536)
+    assert sizes_allowed(smol, up_to=16) == [1, 2, 3, 9]
     with pytest.raises(ValueError, match="tensor_parallel_size: must be a positive integer"):
         check_tensor_parallel_size(cfg, 0)
 
@@ -52,54 +56,62 @@ def test_each_rank_holds_its_heads_and_the_kv_head_they_read():
     assert [(s.heads, s.first_kv_head, s.kv_heads) for s in shards] == [(2, 0, 1), (2, 0, 1), (2, 1, 1), (2, 1, 1)]
     # query heads 0-3 read KV head 0 and 4-7 KV head 1 (groups of 4): ranks 0-1 and 2-3
     assert [Shard.of(cfg, r, 2).first_kv_head for r in range(2)] == [0, 1]
+    # uneven: 3 KV heads on 2 ranks go 1 and 2, each with its 3 query heads; the MLP still splits in halves
+    cfg = config_of("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=144, intermediate_size=160)
+    shards = [Shard.of(cfg, rank, 2) for rank in range(2)]
+    assert [(s.first_head, s.heads, s.first_kv_head, s.kv_heads) for s in shards] == [(0, 3, 0, 1), (3, 6, 1, 2)]
+    assert [(s.first_intermediate, s.intermediate) for s in shards] == [(0, 80), (80, 80)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, size: int, port: int, checkpoints: dict, out_dir: str) -> None:
+def _rank_main(rank: int, size: int, region: str, checkpoints: dict, out_dir: str) -> None:
     """One rank: join the group, and for every checkpoint cut the model and run the prompt greedily."""
-    import torch.distributed as dist
-
     from inflight.engine.models.loader import build_model
     from inflight.engine.models.source import read_model_source
     from inflight.engine.models.tensor_parallel import Shard, shard_model
+    from inflight.engine.parallel.collectives import ShmCollectives
     from inflight.kernels import get_attention_backend
     from inflight.kernels.dense_prefill import DensePrefillMetadata
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    comm = ShmCollectives.attach(region, rank, size)
     try:
         for name, path in checkpoints.items():
             source = read_model_source(path)
             backend = get_attention_backend("torch", torch.device("cpu"), torch.float32)
             model = build_model(source, backend, 512, torch.float32, torch.device("cpu"))
             if size > 1:
-                shard_model(model, Shard.of(source.config, rank, size))
+                shard_model(model, Shard.of(source.config, rank, size), comm)
             tokens, logits = list(PROMPT), []
             with torch.no_grad():
                 for _ in range(NEW_TOKENS):
                     ids = torch.tensor(tokens)
                     hidden = model(ids, torch.arange(len(tokens)), None, DensePrefillMetadata([len(tokens)]))
-                    row = model.compute_logits(hidden[-1:])[0]
-                    logits.append(row)
-                    tokens.append(int(row.argmax()))
+                    rows = model.compute_logits(hidden[-1:])  # on rank 0; the others get None
+                    token = torch.tensor([int(rows[0].argmax()) if rows is not None else -1])
+                    if size > 1:
+                        comm.broadcast(token)  # rank 0's choice, as the engine's sampler's
+                    if rows is not None:
+                        logits.append(rows[0])
+                    tokens.append(int(token))
             if rank == 0:
                 torch.save({"tokens": tokens, "logits": torch.stack(logits)}, os.path.join(out_dir, f"{name}.pt"))
     finally:
-        dist.destroy_process_group()
+        comm.close()
 
 
 def _run(size: int, checkpoints: dict, out_dir) -> dict:
     import torch.multiprocessing as mp
 
+    from inflight.engine.parallel.collectives import ShmCollectives
+
     os.makedirs(out_dir, exist_ok=True)
-    # spawn, never fork: gloo deadlocks inside a large pytest process under fork
-    mp.start_processes(_rank_main, args=(size, _free_port(), checkpoints, str(out_dir)), nprocs=size,
-                       start_method="spawn")
+    owner = ShmCollectives.create(size)
+    try:
+        # spawn, never fork: a forked gloo or OpenMP runtime deadlocks inside a large pytest process
+        mp.start_processes(_rank_main, args=(size, owner.region.name, checkpoints, str(out_dir)), nprocs=size,
+                           start_method="spawn")
+    finally:
+        owner.close()
     return {name: torch.load(os.path.join(out_dir, f"{name}.pt")) for name in checkpoints}
 
 

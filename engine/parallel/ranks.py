@@ -1,0 +1,176 @@
+"""A replica's tensor-parallel ranks: rank 0 is the engine's own model runner (scheduler, sampler, the only one the
+engine talks to); ranks 1..N-1 are worker processes, each a ``ModelRunner`` holding its shard and its own KV cache.
+
+Each step rank 0 puts the scheduler's output (block tables as what changed, ``step_channel``) in the step channel
+before computing it; every worker runs the same ``ModelRunner.launch`` on it with no sampler, so the ranks make the
+same collectives in the same order (``collectives``); rank 0 alone samples. Workers start with ``spawn``, never
+``fork`` (a forked gloo or OpenMP runtime deadlocks), and end when told, or when rank 0 dies (their wait notices
+within a fraction of a second; they remove the shared memory it left).
+
+Placement: where the process may run on several CPUs, they are dealt to the ranks in contiguous parts (each rank's
+compute threads on its own cores); a rank's thread count is ``num_threads``, else its part's size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from inflight.engine.config import EngineConfig
+from inflight.engine.parallel.collectives import Collectives, ShmCollectives
+from inflight.engine.parallel.shm import PeerLost
+from inflight.engine.parallel.step_channel import StepChannel, StepDecoder, StepEncoder
+from inflight.engine.scheduler_output import PrefillBatch, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+STORE_TIMEOUT = datetime.timedelta(minutes=10)  # a rank loading a large checkpoint
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a worker needs to join (sent to its process)."""
+
+    rank: int
+    size: int
+    store_port: int
+    config: EngineConfig
+    max_model_len: int
+    cpus: tuple[int, ...] | None
+
+
+@dataclass
+class TensorParallel:
+    """This process's place among the ranks; on rank 0, ``workers`` drives the others."""
+
+    rank: int
+    size: int
+    comm: Collectives
+    cpus: tuple[int, ...] | None = None
+    workers: RankWorkers | None = None
+
+    @property
+    def threads(self) -> int | None:
+        return len(self.cpus) if self.cpus else None
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+
+
+def cpu_parts(cpus: list[int], size: int) -> list[tuple[int, ...] | None]:
+    """Each rank's CPUs: contiguous parts of ``cpus`` when there are at least ``size``, else no pinning."""
+    if len(cpus) < size:
+        return [None] * size
+    return [tuple(cpus[r * len(cpus) // size:(r + 1) * len(cpus) // size]) for r in range(size)]
+
+
+def start_ranks(config: EngineConfig, max_model_len: int) -> TensorParallel:
+    """Rank 0's side: the rendezvous store, the shared memory, and the worker processes (loading in parallel with
+    rank 0)."""
+    size = config.tensor_parallel_size
+    store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+    comm = ShmCollectives.create(size)
+    channel = StepChannel.create(size - 1)
+    store.set("collectives", comm.region.name)
+    store.set("steps", channel.region.name)
+    parts = cpu_parts(sorted(os.sched_getaffinity(0)), size) if hasattr(os, "sched_getaffinity") else [None] * size
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=worker_main, name=f"inflight-tp-rank-{rank}", daemon=True,
+                                 args=(RankSetup(rank, size, store.port, config, max_model_len, parts[rank]),))
+                 for rank in range(1, size)]
+    for process in processes:
+        process.start()
+    workers = RankWorkers(processes, channel, comm, store)
+    logger.info("tensor parallel: %d ranks (workers' pids %s)", size, [p.pid for p in processes])
+    return TensorParallel(0, size, comm, parts[0], workers)
+
+
+class RankWorkers:
+    """Rank 0's handle on the other ranks: their step messages, their liveness, their shutdown."""
+
+    def __init__(self, processes: list, channel: StepChannel, comm: ShmCollectives, store) -> None:
+        self.processes, self.channel, self.comm, self.store = processes, channel, comm, store
+        self._encoder = StepEncoder()
+        self._finalizer = weakref.finalize(self, _stop, processes, channel, comm)
+
+    def check(self) -> None:
+        """``PeerLost`` if a worker has ended."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                raise PeerLost(f"tensor parallel: rank {rank} (pid {process.pid}) has died "
+                               f"(exit code {process.exitcode})")
+
+    def send_step(self, batch: SchedulerOutput) -> None:
+        self.check()
+        self.channel.put(("step", self._encoder.encode(batch)), self.check)
+
+    def send_prefill(self, batch: PrefillBatch) -> None:
+        self.check()
+        self.channel.put(("prefill", batch), self.check)
+
+    def close(self) -> None:
+        """Stop the workers and free the shared memory (idempotent)."""
+        self._finalizer()
+
+
+def _stop(processes: list, channel: StepChannel, comm: ShmCollectives, timeout_s: float = 10.0) -> None:
+    if all(p.exitcode is None for p in processes):
+        try:
+            channel.put(("stop", None), lambda: None)
+        except (PeerLost, ValueError):
+            pass
+    for process in processes:
+        process.join(timeout_s)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+    channel.close()
+    comm.close()
+
+
+def worker_main(setup: RankSetup) -> None:
+    """A worker process: join, build this rank's model runner, then run rank 0's steps until told to stop."""
+    from inflight.engine.model_runner import ModelRunner
+    from inflight.engine.models.source import read_model_source
+
+    if setup.cpus:
+        os.sched_setaffinity(0, setup.cpus)  # before torch starts its compute threads, which inherit it
+    store = dist.TCPStore("127.0.0.1", setup.store_port, setup.size, False, timeout=STORE_TIMEOUT)
+    comm = ShmCollectives.attach(store.get("collectives").decode(), setup.rank, setup.size)
+    channel = StepChannel.attach(store.get("steps").decode(), setup.size - 1, setup.rank - 1)
+    try:
+        parallel = TensorParallel(setup.rank, setup.size, comm, setup.cpus)
+        runner = ModelRunner(setup.config, read_model_source(setup.config.model), setup.max_model_len,
+                             parallel=parallel)
+        serve_steps(runner, channel)
+    except PeerLost:
+        # rank 0 is gone and cannot remove the shared memory: the last to notice does (removing twice is harmless)
+        for region in (comm.region, channel.region):
+            region.owner = True
+        logger.warning("tensor parallel rank %d: rank 0 has gone; stopping", setup.rank)
+    finally:
+        channel.close()
+        comm.close()
+
+
+def serve_steps(runner, channel: StepChannel) -> None:
+    decoder = StepDecoder()
+    while True:
+        kind, payload = channel.get()
+        if kind == "step":
+            runner.launch(decoder.decode(payload), None)
+        elif kind == "prefill":
+            runner.execute_prefill(payload)
+        elif kind == "stop":
+            return
+        else:
+            raise TypeError(f"not a step message: {kind!r}")
+
+
