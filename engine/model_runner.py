@@ -225,15 +225,16 @@ class ModelRunner:
         return self.collect(self.launch(batch, sampling))
 
     @torch.inference_mode()
-    def launch(self, batch: SchedulerOutput, sampling: SamplingBatch) -> LaunchedStep:
+    def launch(self, batch: SchedulerOutput, sampling: SamplingBatch | None, greedy: bool = False) -> LaunchedStep:
         """Queue one step's device work. Tokens come back at once (on the host) unless every sampling row is
-        plain greedy: then they stay on the device until ``collect``, and the next launch may come first."""
+        plain greedy: then they stay on the device until ``collect``, and the next launch may come first.
+        ``sampling`` None: a tensor-parallel rank other than 0, told by rank 0 whether the step is ``greedy``."""
         started = time.perf_counter()
         cuda = self.device.type == "cuda"
         start_event = recorded_event() if cuda else None
         workers = self.parallel.workers if self.parallel is not None else None
         if workers is not None:
-            workers.send_step(batch)  # the other ranks compute it beside this one
+            workers.send_step(batch, sampling.all_greedy_plain)  # the other ranks compute it beside this one
         if batch.swap_out or batch.swap_in:
             self.copy_blocks(batch.swap_out, batch.swap_in)
         if batch.ended_ids and self.sampler is not None:
@@ -260,13 +261,16 @@ class ModelRunner:
         step = LaunchedStep(output, batch.request_ids, sample_rows, started=start_event)
         if sample_rows and batch.spec_token_ids:
             self._verify(hidden, batch, sample_rows, sampling, output)
-        elif sample_rows:
-            logits = self.model.compute_logits(hidden[logits_index])  # (None on a rank other than 0: nothing to do)
-            tokens = self.sampler.greedy_tokens(logits, sampling) if logits is not None else None
-            if tokens is not None:  # left on the device: collect() brings them to the host
+        elif sample_rows and (sampling.all_greedy_plain if sampling is not None else greedy):
+            # every row plain greedy: its token as a tensor where the logits are, without waiting for them
+            # (collect() brings them to the host); under tensor parallelism only each rank's best crosses over
+            tokens = self.model.greedy_tokens(hidden[logits_index])
+            if tokens is not None:  # (None on a rank other than 0)
                 step.tokens = tokens
                 step.host_tokens = tokens.to("cpu", non_blocking=True) if cuda else tokens
-            elif logits is not None:
+        elif sample_rows:
+            logits = self.model.compute_logits(hidden[logits_index])
+            if logits is not None:  # (None on a rank other than 0: it only takes part in computing them)
                 token_ids, token_logprobs = self.sampler(logits, sampling)
                 for row, token_id, lp in zip(sample_rows, token_ids, token_logprobs):
                     sampled[row] = token_id

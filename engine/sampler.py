@@ -58,12 +58,6 @@ class Sampler:
         self.penalties.forget(request_ids)
         self.constraints.forget(request_ids)
 
-    @staticmethod
-    def greedy_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
-        """Every row plain greedy (no logprobs, penalties, constraints or min_tokens): its tokens as a tensor where
-        the logits are, without waiting for them; otherwise None, and ``__call__`` samples."""
-        return logits.argmax(dim=-1) if batch.all_greedy_plain else None
-
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprobs | None]]:
         # logits: [num_rows, vocab] float32
         if batch.all_greedy_plain:

@@ -136,6 +136,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
            for fmt in ("q4", "q8") for suffix in ("f32", "bf16", "bf16_f32")},
         **{f"quant_rows_{fmt}_{suffix}": ([ptr, ptr, i64, i64, ptr, i32], None)
            for fmt in ("q4", "q8") for suffix in ("f32", "bf16")},
+        **{f"shm_all_reduce_{suffix}": ([ptr, ptr, i64, i64, i64, ctypes.c_uint64, ptr, i64, i64, i64], i32)
+           for suffix in SUFFIXES.values()},
+        **{f"shm_sum_{suffix}": ([ptr, i64, ptr, i64, i64], None) for suffix in SUFFIXES.values()},
     })
     for name, (argtypes, restype) in exports.items():
         if hasattr(lib, name):

@@ -6,11 +6,11 @@ Each kind is timed where it is called (wall clock around the call, summed over t
 * ``lm head``: the logits of the rows sampled;
 * ``attention``: storing the step's K/V and attending (``backend.store_kv`` and ``backend.forward``);
 * ``elementwise``: the embedding lookup, RMSNorm with its residual add, RoPE, SiLU-and-mul;
-* ``sampling``: choosing the tokens from the logits;
 * ``layers, one call``: a bf16 decode step's decoder layers in one call of the CPU kernels
   (``engine.models.cpu_decode``: the kinds above, for those layers, in C++); the profile also runs that step
   layer by layer (``bfloat16, layer by layer``) to show what each kind costs there;
-* ``python + scheduler``: the rest of ``LLMEngine.step``: scheduling, the batch's tensors, outputs, glue.
+* ``python + scheduler``: the rest of ``LLMEngine.step``: scheduling, the batch's tensors, outputs, glue, and the
+  greedy steps' argmax over the logits (microseconds).
 
 The timers add a few microseconds per call (~300 calls a step), which land in the kinds they wrap. The systems run
 alternately, ``--rounds`` times, and each kind's median over rounds is reported; ``--plot`` draws the shares.
@@ -34,7 +34,7 @@ from benchmarks.common.engine import build_engine, drain, engine_args
 from benchmarks.common.models import add_model_arg, model_from_args
 from benchmarks.common.report import pyplot, save_figure, write_json
 
-KINDS = ["linears", "lm head", "attention", "elementwise", "layers, one call", "sampling", "python + scheduler"]
+KINDS = ["linears", "lm head", "attention", "elementwise", "layers, one call", "python + scheduler"]
 
 
 class KindTimers:
@@ -85,7 +85,6 @@ def instrument(engine) -> KindTimers:
     for name in ("rms_norm", "silu_and_mul"):
         timers.wrap(cpu_kernels, name, "elementwise")
     timers.wrap(cpu_kernels, "decode_layers", "layers, one call")
-    timers.wrap(runner.sampler, "greedy_tokens", "sampling")
     return timers
 
 

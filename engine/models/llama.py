@@ -212,3 +212,11 @@ class CausalLM(nn.Module):
         normed = self.model.norm(hidden)
         exact = getattr(self.lm_head, "float32_forward", None)
         return exact(normed) if exact is not None else self.lm_head(normed).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[num_rows] int64: each row's most likely token (the first on a tie). A vocabulary-parallel head
+        (``tensor_parallel``) compares the ranks' best and returns None on ranks other than 0."""
+        parallel = getattr(self.lm_head, "greedy_tokens", None)
+        if parallel is not None:
+            return parallel(self.model.norm(hidden))
+        return self.compute_logits(hidden).argmax(dim=-1)

@@ -11,7 +11,7 @@ Megatron's split, two collectives a layer:
   (zeros elsewhere, all-reduced: exact), and the logits are gathered once, in order.
 
 KV heads are dealt to the ranks whole, each with the query heads that read it: as evenly as they go when there are at
-least as many KV heads as ranks (SmolLM2's 3 on 2 ranks: 2 and 1; the MLP, most of a layer, still splits evenly),
+least as many KV heads as ranks (SmolLM2's 3 on 2 ranks: 1 and 2, the MLP's width then dealt to even out the weights),
 or replicated when the ranks are a multiple of them (each rank holds the one KV head its query heads share). Other
 sizes are a ``ValueError`` naming ``tensor_parallel_size`` and listing the sizes the model allows. The collectives are
 ``engine.parallel.collectives``' (shared memory between CPU ranks, NCCL between GPUs).
@@ -60,10 +60,31 @@ def _share(total: int, rank: int, size: int) -> tuple[int, int]:
     return first, (rank + 1) * total // size - first
 
 
+def _mlp_shares(cfg: ModelConfig, size: int) -> list[int]:
+    """Each rank's part of the MLP's intermediate width, chosen so that every rank's layer weights (its q/k/v and o
+    rows plus its MLP rows) come out as equal as they can: even when the heads split evenly, more MLP for the ranks
+    with fewer KV heads when they do not (SmolLM2 on 2 ranks: 864 and 672 of 1,536), so neither waits on the other
+    at the all-reduces. In multiples of 32 where the width allows (a quantized block's inputs)."""
+    group, hd, hidden = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    if size > cfg.num_kv_heads:  # replicated KV heads: every rank holds as many heads
+        attention = [0] * size
+    else:
+        kv = [_share(cfg.num_kv_heads, rank, size)[1] for rank in range(size)]
+        attention = [(2 * k * group + 2 * k) * hd * hidden for k in kv]  # q and o, k and v
+    unit = 32 if cfg.intermediate_size % (32 * size) == 0 else 1
+    units, per_unit = cfg.intermediate_size // unit, 3 * hidden * unit  # gate, up and down rows
+    target = (sum(attention) + units * per_unit) / size
+    shares = [max(1, round((target - a) / per_unit)) for a in attention]
+    shares[-1] += units - sum(shares)  # (rounding: the last rank takes the remainder)
+    if min(shares) < 1:
+        shares = [_share(units, rank, size)[1] for rank in range(size)]
+    return [share * unit for share in shares]
+
+
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """What rank ``rank`` of ``size`` holds: ranges of query heads, KV heads and the MLP's intermediate width, and
-    ``vocab_rows`` rows of the vocabulary (padded so every rank holds as many)."""
+    """What rank ``rank`` of ``size`` holds: ranges of query heads, KV heads and the MLP's intermediate width
+    (``_mlp_shares``), and ``vocab_rows`` rows of the vocabulary (padded so every rank holds as many)."""
 
     rank: int
     size: int
@@ -87,7 +108,8 @@ class Shard:
         else:  # replicated: size // num_kv_heads ranks share a KV head, each with its part of that head's queries
             heads = cfg.num_heads // size
             first_head, first_kv, kv_heads = rank * heads, rank * heads // group, 1
-        return cls(rank, size, first_head, heads, first_kv, kv_heads, *_share(cfg.intermediate_size, rank, size),
+        shares = _mlp_shares(cfg, size)
+        return cls(rank, size, first_head, heads, first_kv, kv_heads, sum(shares[:rank]), shares[rank],
                    -(-cfg.vocab_size // size))
 
 
@@ -130,13 +152,31 @@ class VocabParallelHead(nn.Module):
         self.linear.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.vocab_size, self.comm = vocab_size, comm
 
-    def float32_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
         exact = getattr(self.linear, "float32_forward", None)  # unrounded sums of a packed bf16 head
-        local = exact(x) if exact is not None else self.linear(x).float()
-        parts = self.comm.gather(local)
+        return exact(x) if exact is not None else self.linear(x).float()
+
+    def float32_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        parts = self.comm.gather(self._local(x))
         return None if parts is None else torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
     forward = float32_forward
+
+    def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's most likely token, from each rank's best (value, token) alone: the first rank holding the
+        row's maximum has its first occurrence, as ``argmax`` over the whole row would find."""
+        local = self._local(x)
+        start = self.comm.rank * self.linear.out_features
+        real = self.vocab_size - start  # the last rank's rows past the vocabulary are padding
+        if real < local.shape[-1]:
+            local[..., max(real, 0):] = float("-inf")
+        values, index = local.max(dim=-1)
+        parts = self.comm.gather(torch.stack([values.double(), (index + start).double()], dim=-1))
+        if parts is None:
+            return None
+        best = torch.stack(parts)  # [ranks, rows, (value, token)]
+        rank = best[..., 0].argmax(dim=0)  # the first rank with the maximum
+        return best[rank, torch.arange(best.shape[1]), 1].long()
 
 
 def _rows(t: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:

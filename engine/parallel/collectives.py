@@ -5,7 +5,8 @@ tensor sent to all (broadcast), and a minimum of an integer (sizing the KV cache
 part into its slot and publishes the round's number; once every rank has published, each reads the slots it needs.
 Slots alternate between two sets, so a rank that has seen everyone publish round n knows they have all finished
 reading round n - 1's slots, and may overwrite them in round n + 1. A sum adds the parts in rank order on every rank,
-so every rank holds the same bits. gloo's TCP all-reduce took 1.0-1.7 ms here for 1-64 rows of the benchmark model
+in float32, rounded once, so every rank holds the same bits; an all-reduce round is one call of the CPU kernels
+(``kernels/csrc/shm_reduce.h``), or the same in PyTorch where they are not built. gloo's TCP all-reduce took 1.0-1.7 ms here for 1-64 rows of the benchmark model
 (60 a step); one round here is a few copies.
 
 ``TorchCollectives``: the same operations on a ``torch.distributed`` process group (NCCL on GPUs; gloo works too),
@@ -23,8 +24,10 @@ import torch
 import torch.distributed as dist
 
 from inflight.engine.parallel.shm import PeerLost, Region, Waiter, fence, process_alive
+from inflight.kernels import cpu_kernels
 
 CHUNK_BYTES = 4 << 20  # per rank and slot set: larger tensors go in rounds
+SPIN_NS = 1_000_000  # how long the C++ round spins for the other ranks before napping in Python
 _STRIDE = 8  # words between two ranks' counters (a cache line each)
 
 
@@ -79,17 +82,24 @@ class ShmCollectives:
             if pid and rank != self.rank and not process_alive(pid):
                 raise PeerLost(f"tensor parallel: rank {rank} (pid {pid}) has died")
 
+    def _next_round(self) -> tuple[int, torch.Tensor]:
+        """The next round's number and its set of slots [size, chunk_bytes]."""
+        self._round += 1
+        return self._round, self._slots[self._round & 1]
+
+    def _await(self, round_: int) -> None:
+        flags = self._flags
+        self._waiter.wait(lambda: int(flags.min()) >= round_, "the other ranks")
+
     def _exchange(self, data: torch.Tensor | None) -> torch.Tensor:
         """One round: ``data`` (flat bytes, at most a chunk; None: nothing to give) into this rank's slot; returns
         the round's slots [size, chunk_bytes] once every rank has published."""
-        self._round += 1
-        slots = self._slots[self._round & 1]
+        round_, slots = self._next_round()
         if data is not None:
             slots[self.rank, :data.numel()].copy_(data)
         fence()
-        round_, flags = self._round, self._flags
         self._flags[self.rank] = round_
-        self._waiter.wait(lambda: int(flags.min()) >= round_, "the other ranks")
+        self._await(round_)
         return slots
 
     def _pieces(self, tensor: torch.Tensor):
@@ -102,12 +112,22 @@ class ShmCollectives:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         assert tensor.is_contiguous()
+        kernels = _reduce_kernels(tensor)
         for piece, data in self._pieces(tensor):
-            slots = self._exchange(data)
-            parts = [slots[rank, :data.numel()].view(tensor.dtype) for rank in range(self.size)]
-            torch.add(parts[0], parts[1], out=piece)
-            for part in parts[2:]:
-                piece.add_(part)
+            if kernels is None:  # no C++ compiler, or another dtype: the same round in PyTorch
+                slots = self._exchange(data)
+                parts = [slots[rank, :data.numel()].view(tensor.dtype) for rank in range(self.size)]
+                total = parts[0].to(torch.float32, copy=True)  # (a copy: slot 0 is rank 0's part, read by all)
+                for part in parts[1:]:
+                    total += part
+                piece.copy_(total)
+                continue
+            reduce, add_up = kernels
+            round_, slots = self._next_round()
+            if not reduce(slots.data_ptr(), self._published.ctypes.data, _STRIDE, self.rank, self.size, round_,
+                          piece.data_ptr(), piece.numel(), self.chunk_bytes, SPIN_NS):
+                self._await(round_)  # the others are late: nap, checking they live
+                add_up(slots.data_ptr(), self.size, piece.data_ptr(), piece.numel(), self.chunk_bytes)
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         tensor = tensor.contiguous()
@@ -135,6 +155,17 @@ class ShmCollectives:
     def close(self) -> None:
         self._slots = self._flags = self._published = self._pids = None
         self.region.close()
+
+
+def _reduce_kernels(tensor: torch.Tensor):
+    """(``shm_all_reduce``, ``shm_sum``) of the CPU kernels for ``tensor``'s dtype, or None."""
+    if tensor.device.type != "cpu" or tensor.dtype not in cpu_kernels.SUFFIXES:
+        return None
+    lib = cpu_kernels.load()
+    if lib is None:
+        return None
+    suffix = cpu_kernels.SUFFIXES[tensor.dtype]
+    return getattr(lib, f"shm_all_reduce_{suffix}"), getattr(lib, f"shm_sum_{suffix}")
 
 
 class TorchCollectives:

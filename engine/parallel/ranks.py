@@ -107,9 +107,10 @@ class RankWorkers:
                 raise PeerLost(f"tensor parallel: rank {rank} (pid {process.pid}) has died "
                                f"(exit code {process.exitcode})")
 
-    def send_step(self, batch: SchedulerOutput) -> None:
+    def send_step(self, batch: SchedulerOutput, greedy: bool) -> None:
+        """``greedy``: every row samples plain greedy (the ranks compare their best tokens, not their logits)."""
         self.check()
-        self.channel.put(("step", self._encoder.encode(batch)), self.check)
+        self.channel.put(("step", (self._encoder.encode(batch), greedy)), self.check)
 
     def send_prefill(self, batch: PrefillBatch) -> None:
         self.check()
@@ -165,7 +166,8 @@ def serve_steps(runner, channel: StepChannel) -> None:
     while True:
         kind, payload = channel.get()
         if kind == "step":
-            runner.launch(decoder.decode(payload), None)
+            batch, greedy = payload
+            runner.launch(decoder.decode(batch), None, greedy)
         elif kind == "prefill":
             runner.execute_prefill(payload)
         elif kind == "stop":

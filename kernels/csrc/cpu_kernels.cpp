@@ -1090,6 +1090,7 @@ static void linear_pairs(const bf16* x, const bf16* packed, const bf16* bias, O*
 #endif
 
 #include "quant_linear.h"
+#include "shm_reduce.h"
 
 extern "C" {
 
@@ -1259,5 +1260,16 @@ INFLIGHT_QUANT_EXPORTS(FORMAT_Q8, q8)
 
 // 1 when the quantized linears run on AVX-512 VNNI, 0 on the scalar code (the same bits, far slower).
 int quant_vnni() { return INFLIGHT_QUANT_VNNI; }
+
+#define INFLIGHT_SHM_EXPORTS(T, SUFFIX)                                                                             \
+    int shm_all_reduce_##SUFFIX(uint8_t* slots, uint64_t* flags, int64_t stride_words, int64_t rank, int64_t size,  \
+                                uint64_t round, T* data, int64_t numel, int64_t chunk_bytes, int64_t spin_ns) {     \
+        return shm_all_reduce<T>(slots, flags, stride_words, rank, size, round, data, numel, chunk_bytes, spin_ns); \
+    }                                                                                                              \
+    void shm_sum_##SUFFIX(const uint8_t* slots, int64_t size, T* data, int64_t numel, int64_t chunk_bytes) {       \
+        shm_sum<T>(slots, size, data, numel, chunk_bytes);                                                         \
+    }
+INFLIGHT_SHM_EXPORTS(float, f32)
+INFLIGHT_SHM_EXPORTS(bf16, bf16)
 
 }  // extern "C"

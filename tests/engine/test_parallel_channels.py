@@ -52,10 +52,13 @@ def _collectives_rank(rank: int, region: str, port: int, out: str) -> None:
     shm.close()
 
 
-def test_collectives_give_every_rank_the_sum_in_rank_order_and_agree_with_gloo(tmp_path):
+@pytest.mark.parametrize("cpu_kernels", ["1", "0"], ids=["c++-round", "pytorch-round"])
+def test_collectives_give_every_rank_the_sum_in_rank_order_and_agree_with_gloo(tmp_path, monkeypatch, cpu_kernels):
     import socket
 
     import torch.multiprocessing as mp
+
+    monkeypatch.setenv("INFLIGHT_CPU_KERNELS", cpu_kernels)  # (the ranks' processes read it)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,7 +72,8 @@ def test_collectives_give_every_rank_the_sum_in_rank_order_and_agree_with_gloo(t
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(SIZE)]
     inputs = [_inputs(rank) for rank in range(SIZE)]
     for name in inputs[0]:
-        expected = inputs[0][name] + inputs[1][name] + inputs[2][name]  # rank order, as every rank adds them
+        # in rank order and in float32, rounded once, as every rank adds them
+        expected = (inputs[0][name].float() + inputs[1][name].float() + inputs[2][name].float()).to(inputs[0][name].dtype)
         for rank in range(SIZE):
             assert torch.equal(results[rank][f"shm-sum-{name}"], expected), (name, rank)
             tolerance = 5e-2 if name == "bf16" else 1e-5  # gloo sums in its own order (bf16: a few ulps)

@@ -56,11 +56,17 @@ def test_each_rank_holds_its_heads_and_the_kv_head_they_read():
     assert [(s.heads, s.first_kv_head, s.kv_heads) for s in shards] == [(2, 0, 1), (2, 0, 1), (2, 1, 1), (2, 1, 1)]
     # query heads 0-3 read KV head 0 and 4-7 KV head 1 (groups of 4): ranks 0-1 and 2-3
     assert [Shard.of(cfg, r, 2).first_kv_head for r in range(2)] == [0, 1]
-    # uneven: 3 KV heads on 2 ranks go 1 and 2, each with its 3 query heads; the MLP still splits in halves
+    # uneven: 3 KV heads on 2 ranks go 1 and 2, each with its 3 query heads; the MLP's width evens out the weights
     cfg = config_of("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=144, intermediate_size=160)
     shards = [Shard.of(cfg, rank, 2) for rank in range(2)]
     assert [(s.first_head, s.heads, s.first_kv_head, s.kv_heads) for s in shards] == [(0, 3, 0, 1), (3, 6, 1, 2)]
-    assert [(s.first_intermediate, s.intermediate) for s in shards] == [(0, 80), (80, 80)]
+    assert [(s.first_intermediate, s.intermediate) for s in shards] == [(0, 101), (101, 59)]
+    hd, hidden = cfg.head_dim, cfg.hidden_size
+    weights = [(2 * s.heads + 2 * s.kv_heads) * hd * hidden + 3 * s.intermediate * hidden for s in shards]
+    assert abs(weights[0] - weights[1]) <= 3 * hidden  # within one intermediate row (evenly: 18,432 apart)
+    # even heads: the MLP halves, in multiples of 32
+    cfg = config_of("llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=128, intermediate_size=384)
+    assert [Shard.of(cfg, rank, 2).intermediate for rank in range(2)] == [192, 192]
 
 
 def _rank_main(rank: int, size: int, region: str, checkpoints: dict, out_dir: str) -> None:
