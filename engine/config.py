@@ -79,6 +79,11 @@ class EngineConfig:
     # gets a contiguous part of the CPUs the engine may use. The sizes a model allows: at most its KV heads, or a
     # multiple of them that divides each KV head's query heads (a wrong one is refused, naming those that work).
     tensor_parallel_size: int = 1
+    # Who starts the other ranks: "local", the engine (spawned processes); "external", the serving layer (a Ray
+    # replica's worker actors in its placement group, serve_app/rank_actors.py), which picks the port on this host
+    # where rank 0 waits for them (tensor_parallel_port). Not for users to set: serve configs set the size only.
+    tensor_parallel_workers: str = "local"
+    tensor_parallel_port: int | None = None
     num_threads: int | None = None  # torch intra-op threads on the CPU (per rank); None leaves torch's default
     # CPU, more than one thread: a step of at most this many tokens (a decode of a few rows) runs on one thread.
     # Such a step gains little from a second thread, and where the serving processes share the cores (a server's
@@ -179,6 +184,11 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
                 or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an integer >= 1")
+        if self.tensor_parallel_workers not in ("local", "external"):
+            raise bad("tensor_parallel_workers", "must be 'local' or 'external'")
+        if self.tensor_parallel_workers == "external" and not (isinstance(self.tensor_parallel_port, int)
+                                                               and 0 < self.tensor_parallel_port < 65536):
+            raise bad("tensor_parallel_port", "must be a port number when tensor_parallel_workers is 'external'")
         if self.tensor_parallel_size > 1 and self.quantization == "fp8":
             raise bad("quantization", "cannot be 'fp8' with tensor_parallel_size > 1 yet (its weights are quantized "
                                       "whole at load)")

@@ -55,6 +55,8 @@ def run_step_loop(engine, receive: Callable[[bool], list[Command]], report: Call
     applied_seq, stats_time = 0, 0.0
     while True:
         idle = not engine.has_unfinished_requests()
+        if idle:
+            engine.check_ranks()  # a rank lost while idle fails the engine now, not at its next request
         refused, added = [], False
         for command in receive(idle):
             kind = type(command)

@@ -348,6 +348,10 @@ class LLMEngine:
     def async_scheduling(self) -> bool:
         return self._launcher.on_device_thread
 
+    def check_ranks(self) -> None:
+        """``engine.parallel.shm.PeerLost`` if one of the model's other tensor-parallel ranks has died."""
+        self.runner.check_ranks()
+
     def close(self) -> None:
         """Stop the model's other tensor-parallel ranks, if any (idempotent; also done when the engine is collected
         or the process exits)."""

@@ -99,6 +99,9 @@ class ModelRunner:
         self.shared = shared
         if parallel is None and config.tensor_parallel_size > 1:
             check_tensor_parallel_size(source.config, config.tensor_parallel_size)
+            if resolve_device(config.device).type != "cpu":
+                raise ValueError("tensor_parallel_size: ranks on GPUs (NCCL) are not wired yet; on a GPU use 1, "
+                                 "or device='cpu'")
             parallel = start_ranks(config, max_model_len)  # the workers load while this rank does
         self.parallel = parallel
         try:
@@ -187,6 +190,11 @@ class ModelRunner:
         """Of this rank (its KV heads)."""
         cfg = self.model_config
         return 2 * cfg.num_layers * self.block_size * self.kv_heads * cfg.head_dim * self.dtype.itemsize
+
+    def check_ranks(self) -> None:
+        """``PeerLost`` if another tensor-parallel rank has died (rank 0; an idle engine looks now and then)."""
+        if self.parallel is not None and self.parallel.workers is not None:
+            self.parallel.workers.check()
 
     def close(self) -> None:
         """Stop the other ranks, if any (idempotent)."""

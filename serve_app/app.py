@@ -47,6 +47,7 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
         "graceful_shutdown_timeout_s": config.drain_timeout_s,
         "graceful_shutdown_wait_loop_s": 1.0,
     }
+    replica_options.update(config.placement())  # tensor parallelism: a bundle per rank (serve_app.rank_actors)
     if config.autoscaling_config:
         replica_options["autoscaling_config"] = config.autoscaling_config
     else:
@@ -56,7 +57,8 @@ def make_app(config: AppConfig, engine_cls: type | None = None):
                                       "max_queued_requests": config.max_queued_requests_per_replica,
                                       "max_messages_per_s": config.max_messages_per_s,
                                       "engine_process": config.engine_process, "engine_cpus": config.engine_cpus,
-                                      "stats_period_s": config.routing_stats_period_s}
+                                      "stats_period_s": config.routing_stats_period_s,
+                                      "rank_bundle": config.rank_bundle()}
     if engine_cls is not None:
         replica_kwargs["engine_cls"] = engine_cls
     replicas = serve.deployment(LLMReplica).options(**replica_options).bind(**replica_kwargs)

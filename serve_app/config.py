@@ -126,6 +126,38 @@ class AppConfig(BaseModel):
             raise ValueError("engine_cpus needs engine_process: true (the CPUs are the engine process's)")
         return self
 
+    @model_validator(mode="after")
+    def _ranks_have_resources(self):
+        if self.tensor_parallel_size > 1:
+            if not self.engine_process:
+                raise ValueError("engine_args.tensor_parallel_size > 1 needs engine_process: true")
+            if self.engine_cpus is not None:
+                raise ValueError("engine_cpus: not with engine_args.tensor_parallel_size > 1 (each rank is placed "
+                                 "by its placement-group bundle)")
+            if not self.rank_bundle():
+                raise ValueError("num_cpus_per_replica or num_gpus_per_replica must be > 0 with "
+                                 "engine_args.tensor_parallel_size > 1 (each rank reserves a placement-group bundle "
+                                 "of them)")
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine_args.get("tensor_parallel_size", 1)
+
+    def rank_bundle(self) -> dict[str, float]:
+        """What each tensor-parallel rank reserves (its placement-group bundle): the replica's CPUs and GPUs."""
+        return {name: amount for name, amount in (("CPU", self.num_cpus_per_replica),
+                                                  ("GPU", self.num_gpus_per_replica)) if amount}
+
+    def placement(self) -> dict[str, Any]:
+        """Serve's placement-group options for a replica: one bundle per tensor-parallel rank, all on one node
+        (``STRICT_PACK``); the replica and its engine (rank 0) in bundle 0, with the replica's custom resources."""
+        if self.tensor_parallel_size == 1:
+            return {}
+        first = {**self.rank_bundle(), **self.replica_resources}
+        return {"placement_group_bundles": [first] + [self.rank_bundle()] * (self.tensor_parallel_size - 1),
+                "placement_group_strategy": "STRICT_PACK"}
+
     @field_validator("autoscaling_config")
     @classmethod
     def _autoscaling_config_valid(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -41,6 +41,7 @@ from inflight.serve_app.errors import (APIError, BadRequestError, EngineLost, Ov
 from inflight.serve_app.messages import (Continued, Draining, EmbedRequest, Embeddings, Failed, GenerateRequest, Lost,
                                          Refused, ReplicaStats, Route, Started, StreamEvent)
 from inflight.serve_app.metrics import ReplicaMetrics
+from inflight.serve_app.rank_actors import RankActors
 from inflight.serve_app.replica_output import Echo, replica_stats, stream_message
 from inflight.serve_app.responses import pack_embedding
 from inflight.serve_app.stream_channel import GENERATE, HEARTBEAT_S, ReplicaConnection, StreamOutbox
@@ -55,13 +56,27 @@ class LLMReplica:
                  served_model_name: str | None = None, max_queued_requests: int = 256,
                  max_messages_per_s: float = 200.0, engine_cls: type = AsyncLLMEngine,
                  engine_process: bool = False, engine_cpus: str | None = None,
-                 stats_period_s: float = HEARTBEAT_S) -> None:
+                 stats_period_s: float = HEARTBEAT_S, rank_bundle: dict[str, float] | None = None) -> None:
         self.model_name = served_model_name or model
         engine_args = dict(engine_args or {})
         if engine_process and engine_cls is AsyncLLMEngine:  # a stand-in engine runs where it is
             engine_args.update(engine_process=True, engine_cpus=engine_cpus)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside Serve (unit use): no replica context
+            self.replica_id = "local"
+        self.ranks: RankActors | None = None  # the engine's tensor-parallel ranks but rank 0, as actors
+        size = engine_args.get("tensor_parallel_size", 1)
+        if isinstance(size, int) and size > 1 and engine_cls is AsyncLLMEngine and ray.is_initialized():
+            self.ranks = RankActors(size, rank_bundle or {}, f"inflight-{self.replica_id}")
+            engine_args.update(self.ranks.engine_args())
         # Every output of a stream is a message: the engine paces them to the budget.
-        self.engine = engine_cls(model, max_outputs_per_s=max_messages_per_s, **engine_args)
+        try:
+            self.engine = engine_cls(model, max_outputs_per_s=max_messages_per_s, **engine_args)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.stop()
+            raise
         self.max_queued_requests = max_queued_requests
         # The engine's gauges, and the stats each router gets on its connection: as often as the deployment's
         # routing stats (routing_stats_period_s, what Serve's request router sees), and at least every
@@ -70,10 +85,6 @@ class LLMReplica:
         self.metrics = ReplicaMetrics()
         self.engine.step_observer = self.metrics.observe_step
         self.drain = DrainRate()
-        try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # outside Serve (unit use): no replica context
-            self.replica_id = "local"
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         self._stats_task: asyncio.Task | None = None
         self.outbox = StreamOutbox(self.replica_id, on_frame=self._on_channel_frame, on_close=_abort_its_requests,
@@ -296,6 +307,8 @@ class LLMReplica:
 
     async def check_health(self) -> None:
         self.engine.check_health()  # raises EngineDeadError if the step loop died
+        if self.ranks is not None:
+            self.ranks.check()  # a tensor-parallel rank's actor has ended
 
     async def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
         """``/tokenize`` (a payload of ``protocol.TokenizeRequest``): the ids the engine would see, as vLLM's

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Protocol
 
 import torch
@@ -27,6 +28,7 @@ from inflight.engine.parallel.shm import PeerLost, Region, Waiter, fence, proces
 from inflight.kernels import cpu_kernels
 
 CHUNK_BYTES = 4 << 20  # per rank and slot set: larger tensors go in rounds
+JOIN_TIMEOUT_S = 600.0  # a rank that has not attached by then (loading a large checkpoint takes minutes) is lost
 SPIN_NS = 1_000_000  # how long the C++ round spins for the other ranks before napping in Python
 _STRIDE = 8  # words between two ranks' counters (a cache line each)
 
@@ -63,7 +65,9 @@ class ShmCollectives:
         self._slots = data.view(2, size, chunk_bytes)
         self._pids[rank] = os.getpid()
         self._round = 0
-        self._waiter = Waiter(self._check_peers, max_nap_s=1e-3)
+        self._waiter = Waiter(self.check_peers, max_nap_s=1e-3)
+        self._join_deadline = time.monotonic() + JOIN_TIMEOUT_S
+        self._watch = None
 
     @staticmethod
     def region_bytes(size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -77,9 +81,24 @@ class ShmCollectives:
     def attach(cls, name: str, rank: int, size: int, chunk_bytes: int = CHUNK_BYTES) -> ShmCollectives:
         return cls(Region.attach(name), rank, size, chunk_bytes)
 
-    def _check_peers(self) -> None:
+    def watch(self, check) -> None:
+        """Also call ``check`` (raising ``PeerLost``) while waiting: what this rank knows of the others' processes."""
+        self._watch = check
+
+    def check_peers(self) -> None:
+        """``PeerLost`` if a rank has died, or has not joined within ``JOIN_TIMEOUT_S`` of this one."""
+        if self._watch is not None:
+            self._watch()
+        self.check_pids()
+
+    def check_pids(self) -> None:
+        """``check_peers`` by the pids the ranks wrote here alone."""
         for rank, pid in enumerate(self._pids.tolist()):
-            if pid and rank != self.rank and not process_alive(pid):
+            if rank == self.rank:
+                continue
+            if not pid and time.monotonic() > self._join_deadline:
+                raise PeerLost(f"tensor parallel: rank {rank} has not joined in {JOIN_TIMEOUT_S:.0f} s")
+            if pid and not process_alive(pid):
                 raise PeerLost(f"tensor parallel: rank {rank} (pid {pid}) has died")
 
     def _next_round(self) -> tuple[int, torch.Tensor]:

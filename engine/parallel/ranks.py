@@ -17,6 +17,7 @@ import datetime
 import logging
 import multiprocessing
 import os
+import pickle
 import weakref
 from dataclasses import dataclass
 
@@ -35,14 +36,13 @@ STORE_TIMEOUT = datetime.timedelta(minutes=10)  # a rank loading a large checkpo
 
 @dataclass(frozen=True)
 class RankSetup:
-    """What a worker needs to join (sent to its process)."""
+    """What a worker needs to join (sent to its process): the rest (the engine's config, ``max_model_len``, the
+    shared memory's names) it reads from rank 0's store."""
 
     rank: int
     size: int
     store_port: int
-    config: EngineConfig
-    max_model_len: int
-    cpus: tuple[int, ...] | None
+    cpus: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -72,23 +72,30 @@ def cpu_parts(cpus: list[int], size: int) -> list[tuple[int, ...] | None]:
 
 
 def start_ranks(config: EngineConfig, max_model_len: int) -> TensorParallel:
-    """Rank 0's side: the rendezvous store, the shared memory, and the worker processes (loading in parallel with
-    rank 0)."""
+    """Rank 0's side: the rendezvous store (on ``tensor_parallel_port``, else any free port), the shared memory, and,
+    with ``tensor_parallel_workers="local"``, the worker processes (loading while rank 0 does); "external" ones are
+    started by whoever chose the port, and join through the store."""
     size = config.tensor_parallel_size
-    store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", config.tensor_parallel_port or 0, size, True, timeout=STORE_TIMEOUT,
+                          wait_for_workers=False)
     comm = ShmCollectives.create(size)
     channel = StepChannel.create(size - 1)
     store.set("collectives", comm.region.name)
     store.set("steps", channel.region.name)
-    parts = cpu_parts(sorted(os.sched_getaffinity(0)), size) if hasattr(os, "sched_getaffinity") else [None] * size
+    store.set("engine", pickle.dumps((config, max_model_len)))
+    local = config.tensor_parallel_workers == "local"
+    parts = (cpu_parts(sorted(os.sched_getaffinity(0)), size) if local and hasattr(os, "sched_getaffinity")
+             else [None] * size)
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=worker_main, name=f"inflight-tp-rank-{rank}", daemon=True,
-                                 args=(RankSetup(rank, size, store.port, config, max_model_len, parts[rank]),))
-                 for rank in range(1, size)]
+                                 args=(RankSetup(rank, size, store.port, parts[rank]),))
+                 for rank in range(1, size)] if local else []
     for process in processes:
         process.start()
     workers = RankWorkers(processes, channel, comm, store)
-    logger.info("tensor parallel: %d ranks (workers' pids %s)", size, [p.pid for p in processes])
+    comm.watch(workers.check)  # a local worker that dies before joining is noticed too
+    logger.info("tensor parallel: %d ranks (%s)", size,
+                f"workers' pids {[p.pid for p in processes]}" if local else f"workers join on port {store.port}")
     return TensorParallel(0, size, comm, parts[0], workers)
 
 
@@ -101,11 +108,12 @@ class RankWorkers:
         self._finalizer = weakref.finalize(self, _stop, processes, channel, comm)
 
     def check(self) -> None:
-        """``PeerLost`` if a worker has ended."""
+        """``PeerLost`` if a worker has ended (a local process by its exit code; any rank by its pid)."""
         for rank, process in enumerate(self.processes, start=1):
             if process.exitcode is not None:
                 raise PeerLost(f"tensor parallel: rank {rank} (pid {process.pid}) has died "
                                f"(exit code {process.exitcode})")
+        self.comm.check_pids()
 
     def send_step(self, batch: SchedulerOutput, greedy: bool) -> None:
         """``greedy``: every row samples plain greedy (the ranks compare their best tokens, not their logits)."""
@@ -144,12 +152,12 @@ def worker_main(setup: RankSetup) -> None:
     if setup.cpus:
         os.sched_setaffinity(0, setup.cpus)  # before torch starts its compute threads, which inherit it
     store = dist.TCPStore("127.0.0.1", setup.store_port, setup.size, False, timeout=STORE_TIMEOUT)
+    config, max_model_len = pickle.loads(store.get("engine"))
     comm = ShmCollectives.attach(store.get("collectives").decode(), setup.rank, setup.size)
     channel = StepChannel.attach(store.get("steps").decode(), setup.size - 1, setup.rank - 1)
     try:
         parallel = TensorParallel(setup.rank, setup.size, comm, setup.cpus)
-        runner = ModelRunner(setup.config, read_model_source(setup.config.model), setup.max_model_len,
-                             parallel=parallel)
+        runner = ModelRunner(config, read_model_source(config.model), max_model_len, parallel=parallel)
         serve_steps(runner, channel)
     except PeerLost:
         # rank 0 is gone and cannot remove the shared memory: the last to notice does (removing twice is harmless)

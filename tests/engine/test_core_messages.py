@@ -75,6 +75,9 @@ def test_the_step_loop_refuses_what_is_not_a_command():
         def has_unfinished_requests(self):
             return False
 
+        def check_ranks(self):
+            pass
+
     with pytest.raises(TypeError, match="not an engine core command"):
         run_step_loop(NoEngine(), lambda wait: [("abort", "r-1")], lambda report: None)
 
