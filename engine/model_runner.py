@@ -151,6 +151,8 @@ class ModelRunner:
         self.num_kv_blocks = count_kv_blocks(self, max_model_len)
         if parallel is not None:  # every rank as many blocks: as many as the rank with least room holds
             self.num_kv_blocks = parallel.comm.min_int(self.num_kv_blocks)
+            if parallel.workers is not None:
+                parallel.workers.joined()  # (every rank has attached the shared memory: its files go)
         shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, self.kv_heads,
                                             source.config.head_dim)
         # The extra last block is scratch: static-mode padding rows write there and nobody reads it.

@@ -108,7 +108,7 @@ class ShmCollectives:
 
     def _await(self, round_: int) -> None:
         flags = self._flags
-        self._waiter.wait(lambda: int(flags.min()) >= round_, "the other ranks")
+        self._waiter.wait(lambda: int(flags.min()) >= round_)
 
     def _exchange(self, data: torch.Tensor | None) -> torch.Tensor:
         """One round: ``data`` (flat bytes, at most a chunk; None: nothing to give) into this rank's slot; returns

@@ -5,7 +5,8 @@ Each step rank 0 puts the scheduler's output (block tables as what changed, ``st
 before computing it; every worker runs the same ``ModelRunner.launch`` on it with no sampler, so the ranks make the
 same collectives in the same order (``collectives``); rank 0 alone samples. Workers start with ``spawn``, never
 ``fork`` (a forked gloo or OpenMP runtime deadlocks), and end when told, or when rank 0 dies (their wait notices
-within a fraction of a second; they remove the shared memory it left).
+within a fraction of a second). The shared memory's files are removed as soon as every rank has attached them, so
+none is left behind however the processes end.
 
 Placement: where the process may run on several CPUs, they are dealt to the ranks in contiguous parts (each rank's
 compute threads on its own cores); a rank's thread count is ``num_threads``, else its part's size.
@@ -124,6 +125,11 @@ class RankWorkers:
         self.check()
         self.channel.put(("prefill", batch), self.check)
 
+    def joined(self) -> None:
+        """Every rank has attached the shared memory (after the first collective): its files can go now."""
+        self.comm.region.unlink()
+        self.channel.region.unlink()
+
     def close(self) -> None:
         """Stop the workers and free the shared memory (idempotent)."""
         self._finalizer()
@@ -159,10 +165,9 @@ def worker_main(setup: RankSetup) -> None:
         parallel = TensorParallel(setup.rank, setup.size, comm, setup.cpus)
         runner = ModelRunner(config, read_model_source(config.model), max_model_len, parallel=parallel)
         serve_steps(runner, channel)
-    except PeerLost:
-        # rank 0 is gone and cannot remove the shared memory: the last to notice does (removing twice is harmless)
-        for region in (comm.region, channel.region):
-            region.owner = True
+    except PeerLost:  # (rank 0 died, perhaps before every rank had joined: its files go here then)
+        comm.region.unlink()
+        channel.region.unlink()
         logger.warning("tensor parallel rank %d: rank 0 has gone; stopping", setup.rank)
     finally:
         channel.close()

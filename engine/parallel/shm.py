@@ -64,11 +64,16 @@ class Region:
         """``count`` uint64 counters at ``offset`` (8-aligned)."""
         return np.ndarray((count,), dtype=np.uint64, buffer=self.buf, offset=offset)
 
+    def unlink(self) -> None:
+        """Remove the file (the mappings stay): once every process has attached, nothing needs the name, and no
+        file is left behind however the processes end."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
     def close(self) -> None:
         """Unmap (once no view of it is left: otherwise the mapping goes with the process) and, the owner, remove."""
         if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            self.unlink()
         self.buf.release()
         with contextlib.suppress(BufferError):
             self.memory.close()
@@ -94,16 +99,18 @@ class PeerLost(RuntimeError):
 
 
 class Waiter:
-    """Waits for a condition another process makes true: spins (a step's collectives wait microseconds), then
-    sleeps in growing naps up to ``max_nap_s`` (an idle rank waking ~500 times a second costs well under 1% of a
-    core), checking ``alive`` every ``check_every_s`` and giving up after ``timeout_s`` (None: never)."""
+    """Waits for a condition another process makes true: spins for ``spin_s`` (a step's collectives and the next
+    step's message come within milliseconds while serving), then sleeps in growing naps up to ``max_nap_s``, and
+    after ``idle_after_s`` of waiting up to ``idle_nap_s``: an idle rank wakes ~50 times a second (measured: 1.9% of a
+    core at 2 ms naps, the first step after an idle second waits at most one nap more). ``alive`` is called every
+    ``check_every_s`` and raises ``PeerLost`` if the process waited on has died."""
 
     def __init__(self, alive: Callable[[], None], spin_s: float = 2e-3, max_nap_s: float = 2e-3,
-                 check_every_s: float = 0.2, timeout_s: float | None = None) -> None:
+                 idle_after_s: float = 1.0, idle_nap_s: float = 0.02, check_every_s: float = 0.2) -> None:
         self.alive, self.spin_s, self.max_nap_s = alive, spin_s, max_nap_s
-        self.check_every_s, self.timeout_s = check_every_s, timeout_s
+        self.idle_after_s, self.idle_nap_s, self.check_every_s = idle_after_s, idle_nap_s, check_every_s
 
-    def wait(self, ready: Callable[[], bool], what: str) -> None:
+    def wait(self, ready: Callable[[], bool]) -> None:
         if ready():
             return
         started = time.monotonic()
@@ -116,8 +123,6 @@ class Waiter:
             if now - checked >= self.check_every_s:
                 self.alive()  # raises PeerLost
                 checked = now
-                if self.timeout_s is not None and now - started > self.timeout_s:
-                    raise PeerLost(f"tensor parallel: waited {now - started:.0f} s for {what}")
             time.sleep(nap)
-            nap = min(nap * 2, self.max_nap_s)
+            nap = min(nap * 2, self.max_nap_s if now - started < self.idle_after_s else self.idle_nap_s)
         fence()

@@ -69,7 +69,7 @@ class StepChannel:
             self._piece += 1
             number, slot = self._piece, self._piece % NUM_SLOTS
             read = self._read
-            waiter.wait(lambda: int(read.min()) >= number - NUM_SLOTS, "a rank to read its step")
+            waiter.wait(lambda: int(read.min()) >= number - NUM_SLOTS)
             self._data(slot)[:len(piece)] = piece
             words = self._slot_words[slot]
             words[1], words[2] = len(piece), start + SLOT_BYTES < len(payload)
@@ -83,7 +83,7 @@ class StepChannel:
             self._piece += 1
             number, slot = self._piece, self._piece % NUM_SLOTS
             words = self._slot_words[slot]
-            self._waiter.wait(lambda: int(words[0]) == number, "the next step")
+            self._waiter.wait(lambda: int(words[0]) == number)
             length, more = int(words[1]), bool(words[2])
             pieces.append(bytes(self._data(slot)[:length]))
             fence()

@@ -9,6 +9,7 @@ with ``PeerLost``, and closing leaves no process and no shared memory behind."""
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
 import signal
@@ -132,7 +133,7 @@ def test_a_dead_rank_fails_the_next_step_and_closing_leaves_nothing_behind(check
     parallel = llm.engine.runner.parallel
     worker = parallel.workers.processes[0]
     files = [parallel.comm.region.name, parallel.workers.channel.region.name]
-    assert all(os.path.exists(f) for f in files)
+    assert not any(os.path.exists(f) for f in files)  # removed once every rank had attached them
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(10)
@@ -142,12 +143,14 @@ def test_a_dead_rank_fails_the_next_step_and_closing_leaves_nothing_behind(check
     assert not any(os.path.exists(f) for f in files)
 
 
-def test_closing_stops_the_ranks_and_frees_their_shared_memory(checkpoint):
+def test_closing_stops_the_ranks_and_no_shared_memory_file_outlives_the_start(checkpoint):
     path = checkpoint("qwen3")
+    before = set(glob.glob("/dev/shm/inflight-*"))
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE_ARGS)
     parallel = llm.engine.runner.parallel
-    files = [parallel.comm.region.name, parallel.workers.channel.region.name]
+    assert parallel.comm.region.name.startswith("/dev/shm/inflight-")
+    assert set(glob.glob("/dev/shm/inflight-*")) == before  # every rank attached: the names are gone, the memory not
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     llm.engine.close()
     llm.engine.close()  # (twice is fine)
     assert parallel.workers.processes[0].exitcode == 0
-    assert not any(os.path.exists(f) for f in files)
