@@ -130,10 +130,15 @@ def manifest_files() -> list[Path]:
     return sorted(K8S_DIR.glob("*.yaml")) + sorted(K8S_DIR.glob("*.yml"))
 
 
-def the(kind: str) -> dict[str, Any]:
-    """The one manifest of ``kind`` in k8s/ (a deep copy: tests may break it)."""
-    found = [doc for path in manifest_files() for doc in load_documents(path) if doc.get("kind") == kind]
-    assert len(found) == 1, f"expected one {kind} in k8s/, found {len(found)}"
+RAYSERVICES = ("inflight", "inflight-tp2")  # k8s/rayservice.yaml, k8s/rayservice-tp2.yaml
+
+
+def the(kind: str, name: str | None = None) -> dict[str, Any]:
+    """The one manifest of ``kind`` (named ``name``, where there are several) in k8s/ (a deep copy: tests may break
+    it)."""
+    found = [doc for path in manifest_files() for doc in load_documents(path)
+             if doc.get("kind") == kind and name in (None, doc["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''} in k8s/, found {len(found)}"
     return copy.deepcopy(found[0])
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import ray
 
-from tests.k8s.manifests import the
+from tests.k8s.manifests import RAYSERVICES, the
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "k8s" / "Dockerfile"
@@ -24,7 +24,8 @@ def test_one_ray_version_everywhere():
     image, _, tag = base.partition(":")
     assert image == "rayproject/ray" and re.fullmatch(r"[0-9.]+-py311-gpu", tag), base  # Ray's CUDA image, Python 3.11
     versions = {"Dockerfile": tag.split("-")[0], "pyproject.toml": _pinned_ray(), "installed": ray.__version__,
-                "rayVersion": the("RayService")["spec"]["rayClusterConfig"]["rayVersion"]}
+                **{f"rayVersion of {name}": the("RayService", name)["spec"]["rayClusterConfig"]["rayVersion"]
+                   for name in RAYSERVICES}}
     assert len(set(versions.values())) == 1, versions
 
 
@@ -33,10 +34,11 @@ def test_image_installs_the_project_with_its_gpu_extras_and_every_pod_runs_it():
     assert re.search(r'pip install [^\n]*"\.\[[^\]]*\bgpu\b[^\]]*\]"', text), "the GPU extras (triton, flash-attn)"
     for package in ("inflight", "engine", "kernels", "serve_app"):  # (inflight/ and the folders it maps)
         assert re.search(rf"^COPY .*\b{package}\b", text, flags=re.MULTILINE), package
-    cluster = the("RayService")["spec"]["rayClusterConfig"]
-    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
-    images = {c["image"] for t in templates for c in t["spec"]["containers"]}
-    assert len(images) == 1, f"head and workers must run the same image: {images}"
+    for name in RAYSERVICES:
+        cluster = the("RayService", name)["spec"]["rayClusterConfig"]
+        templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+        images = {c["image"] for t in templates for c in t["spec"]["containers"]}
+        assert len(images) == 1, f"{name}: head and workers must run the same image: {images}"
 
 
 def test_image_starts_ray_with_the_serve_settings_make_run_uses():

@@ -15,7 +15,7 @@ def test_manifest_validates(path):
 
 def test_k8s_holds_the_expected_kinds():
     kinds = sorted(doc["kind"] for path in manifest_files() for doc in load_documents(path))
-    assert kinds == ["NetworkPolicy", "PersistentVolumeClaim", "Pod", "PodMonitor", "RayService"], kinds
+    assert kinds == ["NetworkPolicy", "PersistentVolumeClaim", "Pod", "PodMonitor", "RayService", "RayService"], kinds
 
 
 WORKER = "spec.rayClusterConfig.workerGroupSpecs.0"
@@ -37,11 +37,11 @@ HEAD = "spec.rayClusterConfig.headGroupSpec"
 ])
 def test_broken_rayservice_fails(path, value, expected):
     if path.endswith("limits.nvidia.com/gpu"):  # the key holds dots: set it by hand
-        manifest = the("RayService")
+        manifest = the("RayService", "inflight")
         container = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
         container["resources"]["limits"]["nvidia.com/gpu"] = value
     else:
-        manifest = break_path(the("RayService"), path, value)
+        manifest = break_path(the("RayService", "inflight"), path, value)
     errors = manifest_errors(manifest)
     assert any(expected in line for line in errors), f"no error containing {expected!r}: {errors}"
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.manifests import break_path, manifest_errors, the
+from tests.k8s.manifests import RAYSERVICES, break_path, manifest_errors, the
 
 SERVE_PORT = 8000
 RAY_PORTS = {6379: "GCS", 8265: "dashboard and jobs API", 10001: "Ray client", 8080: "metrics"}
 
 
 def _pod_labels() -> list[dict[str, str]]:
-    cluster = the("RayService")["spec"]["rayClusterConfig"]
-    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
-    return [t["metadata"]["labels"] for t in templates]
+    labels = []
+    for name in RAYSERVICES:
+        cluster = the("RayService", name)["spec"]["rayClusterConfig"]
+        templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+        labels += [t["metadata"]["labels"] for t in templates]
+    return labels
 
 
 def test_it_selects_every_ray_pod_of_the_service():

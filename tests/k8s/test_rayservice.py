@@ -18,7 +18,7 @@ RAYSERVICE = Path(__file__).resolve().parents[2] / "k8s" / "rayservice.yaml"
 
 @pytest.fixture
 def rayservice() -> dict:
-    return the("RayService")
+    return the("RayService", "inflight")
 
 
 def _cluster(rayservice) -> dict:
@@ -143,3 +143,25 @@ def test_pods_outlive_the_apps_drain(rayservice):
     templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
     for template in templates:
         assert template["spec"]["terminationGracePeriodSeconds"] > drain + ROUTER_DRAIN_EXTRA_S
+
+
+def test_the_tensor_parallel_service_fits_a_replicas_ranks_on_one_pod():
+    """k8s/rayservice-tp2.yaml: a replica's placement group (a bundle per rank, STRICT_PACK) and a router fit on one
+    worker pod, whose Ray CPUs are its limit; the ranks' shared memory is a memory volume; the autoscaler may add a
+    pod per replica."""
+    service = the("RayService", "inflight-tp2")
+    config = AppConfig.model_validate(_app_args(service))
+    placement = config.placement()
+    assert placement["placement_group_strategy"] == "STRICT_PACK"
+    bundles = placement["placement_group_bundles"]
+    assert len(bundles) == config.engine_args["tensor_parallel_size"] == 2
+    (group,) = _cluster(service)["workerGroupSpecs"]
+    container = group["template"]["spec"]["containers"][0]
+    pod_cpus = float(container["resources"]["limits"]["cpu"])
+    assert sum(b["CPU"] for b in bundles) + config.router_num_cpus <= pod_cpus
+    assert config.engine_args["num_threads"] == config.num_cpus_per_replica  # a rank computes on its bundle's CPUs
+    assert group["maxReplicas"] == config.autoscaling_config["max_replicas"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (dshm,) = [v for v in group["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    assert mounts["dshm"] == "/dev/shm" and dshm["emptyDir"]["medium"] == "Memory"
+    assert not _gpu_groups(service)  # (GPU ranks are not wired yet: configs/k8s-cpu-tp2.yaml says so)

@@ -1,5 +1,5 @@
-"""serveConfigV2 is configs/gpu-llama.yaml, verbatim (k8s/sync_serve_config.py keeps it so), and Ray Serve's own
-schema and the app's builder accept it. (Every file in configs/ is checked the same way in
+"""Each RayService's serveConfigV2 is its config file verbatim (configs/gpu-llama.yaml, configs/k8s-cpu-tp2.yaml;
+k8s/sync_serve_config.py keeps them so), and Ray Serve's own schema and the app's builder accept it. (Every file in configs/ is checked the same way in
 tests/serving/test_app_config.py.)"""
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ def test_serve_config_v2_validates_against_ray_serve_schema(name, text):
         AppConfig.model_validate(app.args)  # what build_app does first: names any bad argument
 
 
-def test_serve_config_v2_is_the_gpu_config_file():
-    (name, text), = [(n, t) for n, t in serve_configs() if n.startswith("rayservice.yaml")]
-    assert text == CONFIG.read_text(), f"{name} drifted from {CONFIG.name}: run `make k8s-config`"
+@pytest.mark.parametrize("manifest, config", [("rayservice.yaml", "gpu-llama.yaml"),
+                                              ("rayservice-tp2.yaml", "k8s-cpu-tp2.yaml")])
+def test_serve_config_v2_is_its_config_file(manifest, config):
+    (name, text), = [(n, t) for n, t in serve_configs() if n.startswith(manifest + ":")]
+    assert text == (ROOT / "configs" / config).read_text(), f"{name} drifted from {config}: run `make k8s-config`"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -55,9 +57,9 @@ def test_sync_check_passes_on_the_repository():
 def test_sync_check_fails_on_drift_and_sync_repairs_it(tmp_path):
     manifest = tmp_path / "rayservice.yaml"
     manifest.write_text((K8S_DIR / "rayservice.yaml").read_text().replace("max_replicas: 8", "max_replicas: 9"))
-    result = _run("--check", "--manifest", str(manifest))
+    result = _run("--check", "--config", str(CONFIG), "--manifest", str(manifest))
     assert result.returncode == 1 and "make k8s-config" in result.stderr, result
-    assert _run("--manifest", str(manifest)).returncode == 0
+    assert _run("--config", str(CONFIG), "--manifest", str(manifest)).returncode == 0
     assert manifest.read_text() == (K8S_DIR / "rayservice.yaml").read_text()
 
 

@@ -97,7 +97,8 @@ def test_configs_exist():
     assert {p.name for p in CONFIGS} >= {"demo.yaml", "demo-multi.yaml"}
 
 
-LOCAL_CONFIGS = [p for p in CONFIGS if p.name != "gpu-llama.yaml"]  # gpu-llama.yaml is the cluster's (k8s/)
+CLUSTER_CONFIGS = ("gpu-llama.yaml", "k8s-cpu-tp2.yaml")  # the RayServices' (k8s/)
+LOCAL_CONFIGS = [p for p in CONFIGS if p.name not in CLUSTER_CONFIGS]
 
 
 @pytest.mark.parametrize("path", LOCAL_CONFIGS, ids=[p.name for p in LOCAL_CONFIGS])
@@ -114,8 +115,9 @@ def test_a_local_config_leaves_the_api_port_to_its_router(path):
     assert routers == [1], "one router, on the one API port (more need a load balancer in front)"
 
 
-def test_the_cluster_config_keeps_serves_proxy_on_the_service_port():
-    raw = yaml.safe_load((CONFIGS[0].parent / "gpu-llama.yaml").read_text())
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_a_cluster_config_keeps_serves_proxy_on_the_service_port(name):
+    raw = yaml.safe_load((CONFIGS[0].parent / name).read_text())
     assert raw["http_options"]["port"] == 8000  # KubeRay's serve Service targets the proxy there (k8s/)
 
 
