@@ -32,7 +32,7 @@ from inflight.engine.models.llama import CausalLM
 from inflight.engine.models.loader import build_model
 from inflight.engine.models.quantized import weight_bytes
 from inflight.engine.models.source import ModelSource
-from inflight.engine.models.tensor_parallel import Shard, check_tensor_parallel_size, shard_model
+from inflight.engine.models.tensor_parallel import Shard, check_tensor_parallel_size
 from inflight.engine.parallel.ranks import TensorParallel, start_ranks
 from inflight.engine.prompt_outputs import PromptOutput, prompt_outputs
 from inflight.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
@@ -133,12 +133,12 @@ class ModelRunner:
         if parallel is not None and quantization == "auto" and source.weight_format == "gguf":
             quantization = "none"  # the cut works on plain weights (GGUF Q4/Q8 kept whole: a later change)
             logger.info("tensor parallel: a GGUF file's weights are dequantized")
+        shard = Shard.of(source.config, parallel.rank, parallel.size) if parallel is not None else None
         self.model: CausalLM = build_model(source, self.backend, max_model_len, self.dtype, self.device,
-                                           config.load_format, quantization)
+                                           config.load_format, quantization, shard,
+                                           parallel.comm if parallel is not None else None)
         self.heads, self.kv_heads = source.config.num_heads, source.config.num_kv_heads  # this rank's
-        if parallel is not None:
-            shard = Shard.of(source.config, parallel.rank, parallel.size)
-            shard_model(self.model, shard, parallel.comm)
+        if shard is not None:
             self.heads, self.kv_heads = shard.heads, shard.kv_heads
         logger.info("model weights: %.1f MB in memory", weight_bytes(self.model) / 1e6)  # (quantized ones as kept)
         if self.device.type == "cpu":

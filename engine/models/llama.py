@@ -177,7 +177,8 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            head = getattr(self.lm_head, "linear", self.lm_head)  # (a tensor-parallel head wraps its linear)
+            head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache] | None,
                 metadata: Any) -> torch.Tensor:

@@ -24,6 +24,8 @@ from inflight.engine.models.gguf_quant import QuantValues
 from inflight.engine.models.llama import CausalLM
 from inflight.engine.models.quantized import QuantEmbedding, QuantLinear, set_submodule, to_fp8
 from inflight.engine.models.source import ModelSource
+from inflight.engine.models.tensor_parallel import Shard, cut_tensors, shard_model
+from inflight.engine.parallel.collectives import Collectives
 from inflight.kernels import AttentionBackend, quantized
 
 logger = logging.getLogger(__name__)
@@ -55,17 +57,22 @@ def keeps_quantized(quantization: str, device: torch.device) -> bool:
 
 def build_model(source: ModelSource, backend: AttentionBackend, max_positions: int,
                 dtype: torch.dtype, device: torch.device, load_format: str = "auto",
-                quantization: str = "auto") -> CausalLM:
+                quantization: str = "auto", shard: Shard | None = None, comm: Collectives | None = None) -> CausalLM:
     """Create the module without random init (on the meta device), then fill it with the weights.
 
     ``load_format="dummy"`` fills it with seeded random weights instead of reading files (vLLM's name for
     it): a model of any shape for benchmarks, built in seconds on the device itself. ``quantization``: see
-    ``QUANTIZATIONS``."""
+    ``QUANTIZATIONS``. ``shard`` (tensor parallelism, its collectives ``comm``): this rank's part, cut from the
+    module before it is allocated and from each checkpoint tensor as it is read, so no rank holds the whole model;
+    generated weights (demo-tiny's, dummy) are made whole, as one rank makes them, then cut."""
     keep = source.weight_format == "gguf" and keeps_quantized(quantization, device)
+    reads_files = source.weight_format != "builtin" and load_format != "dummy"
     with torch.device("meta"):
         model = CausalLM(source.config, backend, max_positions)
+    if shard is not None and reads_files:
+        shard_model(model, shard, comm)  # (shapes only, on the meta device)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.tie_weights()
+    model.tie_weights()  # (to_empty gave each its own memory)
     model.rotary.reset_tables()
     if source.weight_format == "builtin":
         from inflight.engine.models import demo_tiny
@@ -73,10 +80,13 @@ def build_model(source: ModelSource, backend: AttentionBackend, max_positions: i
         demo_tiny.init_weights(model)
     elif load_format == "dummy":
         init_dummy_weights(model)
-    elif source.weight_format == "gguf":
-        load_weights(model, read_gguf_tensors(Path(source.name), source.config, keep), Path(source.name).name)
     else:
-        load_weights(model, read_safetensors(Path(source.name)), source.name)
+        where = Path(source.name).name if source.weight_format == "gguf" else source.name
+        tensors = (read_gguf_tensors(Path(source.name), source.config, keep) if source.weight_format == "gguf"
+                   else read_safetensors(Path(source.name)))
+        load_weights(model, cut_tensors(tensors, source.config, shard) if shard is not None else tensors, where)
+    if shard is not None and not reads_files:
+        shard_model(model, shard, comm)
     if quantization == "fp8":
         check_fp8(device)
         logger.info("fp8: %d linears' weights quantized to float8 e4m3", to_fp8(model))
@@ -132,8 +142,9 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
     params = dict(model.named_parameters())
     missing = set(params)
     cfg = model.config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    split_sizes = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp  # (a tensor-parallel rank's sizes)
+    split_sizes = {"self_attn.qkv_proj": [attention.q_size, attention.kv_size, attention.kv_size],
+                   "mlp.gate_up_proj": [mlp.intermediate_size] * 2}
     pending: dict[str, tuple[str, dict[int, QuantValues]]] = {}  # our weight name -> (fused, its parts so far)
     for hf_name, tensor in tensors:
         if cfg.tie_word_embeddings and hf_name == "lm_head.weight":

@@ -20,6 +20,7 @@ sizes are a ``ValueError`` naming ``tensor_parallel_size`` and listing the sizes
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +178,37 @@ class VocabParallelHead(nn.Module):
         best = torch.stack(parts)  # [ranks, rows, (value, token)]
         rank = best[..., 0].argmax(dim=0)  # the first rank with the maximum
         return best[rank, torch.arange(best.shape[1]), 1].long()
+
+
+def cut_tensors(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
+                shard: Shard) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors (Hugging Face names, as the loader reads them, one at a time) cut to ``shard``'s part,
+    named as ``shard_model``'s modules hold them: what the loader places into a model cut before it was allocated.
+    The same cut as ``shard_model``'s on a whole model (tests/engine/test_tensor_parallel.py holds them equal)."""
+    hd = cfg.head_dim
+    heads = slice(shard.first_head * hd, (shard.first_head + shard.heads) * hd)
+    kv = slice(shard.first_kv_head * hd, (shard.first_kv_head + shard.kv_heads) * hd)
+    inter = slice(shard.first_intermediate, shard.first_intermediate + shard.intermediate)
+    vocab = slice(shard.rank * shard.vocab_rows, (shard.rank + 1) * shard.vocab_rows)
+    rows = {"q_proj": heads, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
+    columns = {"o_proj": heads, "down_proj": inter}  # row-parallel: a RowParallel's .linear
+    for name, tensor in tensors:
+        module, _, kind = name.rpartition(".")
+        part = module.rpartition(".")[2]
+        if part in rows:
+            yield name, tensor[rows[part]]
+        elif part in columns:
+            if kind == "weight":
+                yield f"{module}.linear.weight", tensor[:, columns[part]]
+            elif shard.rank == 0:  # a bias counted once
+                yield f"{module}.linear.bias", tensor
+        elif part in ("embed_tokens", "lm_head"):
+            if part == "lm_head" and cfg.tie_word_embeddings:
+                continue
+            padded = F.pad(tensor, (0, 0, 0, shard.vocab_rows * shard.size - cfg.vocab_size))[vocab]
+            yield (name if part == "embed_tokens" else "lm_head.linear.weight"), padded
+        else:
+            yield name, tensor
 
 
 def _rows(t: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:

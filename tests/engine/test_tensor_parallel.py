@@ -141,3 +141,30 @@ def test_the_cut_is_a_frozen_record_of_what_each_rank_holds():
         shard.rank = 0
     with pytest.raises(ValueError, match="rank"):
         Shard.of(cfg, 2, 2)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_rank_loads_only_its_part_and_it_is_the_whole_models_cut(checkpoint, name):
+    """Loading with a shard cuts the module before it is allocated and each checkpoint tensor as it is read: the same
+    weights as cutting the whole loaded model, and about half of them on each of two ranks."""
+    from inflight.engine.models.loader import build_model
+    from inflight.engine.models.source import read_model_source
+    from inflight.engine.models.tensor_parallel import shard_model
+    from inflight.kernels import get_attention_backend
+
+    arch, overrides = CASES[name]
+    source = read_model_source(str(checkpoint(arch, **overrides)))
+    backend = get_attention_backend("torch", torch.device("cpu"), torch.float32)
+
+    def build(shard=None):
+        return build_model(source, backend, 512, torch.float32, torch.device("cpu"), shard=shard)
+
+    whole = sum(p.numel() for p in build().parameters())
+    for rank in range(2):
+        shard = Shard.of(source.config, rank, 2)
+        loaded = dict(build(shard).named_parameters())
+        cut = dict(shard_model(build(), shard, None).named_parameters())
+        assert loaded.keys() == cut.keys()
+        for key in loaded:
+            assert torch.equal(loaded[key], cut[key]), (name, rank, key)
+        assert sum(p.numel() for p in loaded.values()) < 0.65 * whole
