@@ -16,6 +16,7 @@ QUANTIZATIONS = ("auto", "none", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 ADMISSION_MODES = ("max_utilization", "guaranteed_no_evict")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+TENSOR_PARALLEL_BACKENDS = ("auto", "shm", "gloo", "nccl")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")  # kernels.backend.BACKENDS
 
 
@@ -84,6 +85,9 @@ class EngineConfig:
     # where rank 0 waits for them (tensor_parallel_port). Not for users to set: serve configs set the size only.
     tensor_parallel_workers: str = "local"
     tensor_parallel_port: int | None = None
+    # What carries the ranks' partial sums: "auto" (shared memory between CPU ranks, NCCL between GPUs), or "shm",
+    # "gloo" (torch.distributed on CPU ranks: ~1 ms an all-reduce here, for comparison), "nccl".
+    tensor_parallel_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on the CPU (per rank); None leaves torch's default
     # CPU, more than one thread: a step of at most this many tokens (a decode of a few rows) runs on one thread.
     # Such a step gains little from a second thread, and where the serving processes share the cores (a server's
@@ -184,6 +188,8 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
                 or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an integer >= 1")
+        if self.tensor_parallel_backend not in TENSOR_PARALLEL_BACKENDS:
+            raise bad("tensor_parallel_backend", f"must be one of {TENSOR_PARALLEL_BACKENDS}")
         if self.tensor_parallel_workers not in ("local", "external"):
             raise bad("tensor_parallel_workers", "must be 'local' or 'external'")
         if self.tensor_parallel_workers == "external" and not (isinstance(self.tensor_parallel_port, int)

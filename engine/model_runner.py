@@ -99,9 +99,10 @@ class ModelRunner:
         self.shared = shared
         if parallel is None and config.tensor_parallel_size > 1:
             check_tensor_parallel_size(source.config, config.tensor_parallel_size)
-            if resolve_device(config.device).type != "cpu":
-                raise ValueError("tensor_parallel_size: ranks on GPUs (NCCL) are not wired yet; on a GPU use 1, "
-                                 "or device='cpu'")
+            backend, cuda = config.tensor_parallel_backend, resolve_device(config.device).type == "cuda"
+            if backend != "auto" and (backend == "nccl") != cuda:
+                raise ValueError(f"tensor_parallel_backend: {backend!r} carries {'GPU' if backend == 'nccl' else 'CPU'} "
+                                 f"tensors, and the model runs on {'a GPU' if cuda else 'the CPU'}")
             parallel = start_ranks(config, max_model_len)  # the workers load while this rank does
         self.parallel = parallel
         try:
@@ -150,7 +151,7 @@ class ModelRunner:
         self.model_config = source.config
         self.num_kv_blocks = count_kv_blocks(self, max_model_len)
         if parallel is not None:  # every rank as many blocks: as many as the rank with least room holds
-            self.num_kv_blocks = parallel.comm.min_int(self.num_kv_blocks)
+            self.num_kv_blocks = parallel.shm.min_int(self.num_kv_blocks)
             if parallel.workers is not None:
                 parallel.workers.joined()  # (every rank has attached the shared memory: its files go)
         shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, self.kv_heads,
@@ -167,7 +168,7 @@ class ModelRunner:
         # Host memory for preempted requests' KV (swapping), in the device cache's layout, block for block.
         self.num_swap_blocks = config.swap_space_bytes // self.kv_bytes_per_block
         if parallel is not None:
-            self.num_swap_blocks = parallel.comm.min_int(self.num_swap_blocks)
+            self.num_swap_blocks = parallel.shm.min_int(self.num_swap_blocks)
         host_shape = self.backend.kv_cache_shape(self.num_swap_blocks, self.block_size, self.kv_heads,
                                                  source.config.head_dim)
         pin = self.device.type == "cuda"

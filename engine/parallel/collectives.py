@@ -1,13 +1,14 @@
-"""What tensor-parallel ranks exchange inside a step: a sum (all-reduce), rank 0 gathering everyone's part, rank 0's
-tensor sent to all (broadcast), and a minimum of an integer (sizing the KV cache to the rank with least room).
+"""What tensor-parallel ranks exchange inside a step: a sum (all-reduce), rank 0 gathering everyone's part, and rank
+0's tensor sent to all (broadcast); and, through shared memory always, a minimum of an integer (sizing the KV cache to
+the rank with least room) and the ranks' pids (liveness).
 
 ``ShmCollectives`` (CPU ranks on one node): every exchange is one round through shared memory. Each rank copies its
 part into its slot and publishes the round's number; once every rank has published, each reads the slots it needs.
 Slots alternate between two sets, so a rank that has seen everyone publish round n knows they have all finished
 reading round n - 1's slots, and may overwrite them in round n + 1. A sum adds the parts in rank order on every rank,
 in float32, rounded once, so every rank holds the same bits; an all-reduce round is one call of the CPU kernels
-(``kernels/csrc/shm_reduce.h``), or the same in PyTorch where they are not built. gloo's TCP all-reduce took 1.0-1.7 ms here for 1-64 rows of the benchmark model
-(60 a step); one round here is a few copies.
+(``kernels/csrc/shm_reduce.h``), or the same in PyTorch where they are not built. gloo's TCP all-reduce took 1.0-1.7
+ms here for 1-64 rows of the benchmark model (60 a step); one round here is a few copies.
 
 ``TorchCollectives``: the same operations on a ``torch.distributed`` process group (NCCL on GPUs; gloo works too),
 built from a store without touching ``torch.distributed``'s global state (an offline ``LLM`` runs rank 0 in the
@@ -45,9 +46,6 @@ class Collectives(Protocol):
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """``tensor`` becomes rank 0's (in place)."""
-
-    def min_int(self, value: int) -> int:
-        """The smallest of every rank's ``value``."""
 
     def close(self) -> None: ...
 
@@ -168,6 +166,7 @@ class ShmCollectives:
                 data.copy_(slots[0, :data.numel()])
 
     def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value``."""
         slots = self._exchange(torch.tensor([value], dtype=torch.int64).view(torch.uint8))
         return int(slots[:, :8].contiguous().view(torch.int64).min())
 
@@ -217,13 +216,6 @@ class TorchCollectives:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([tensor], options).wait()
-
-    def min_int(self, value: int) -> int:
-        box = torch.tensor([value], dtype=torch.int64)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        self.group.allreduce([box], options).wait()
-        return int(box)
 
     def close(self) -> None:
         self.group = None

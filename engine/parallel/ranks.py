@@ -22,10 +22,12 @@ import pickle
 import weakref
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from inflight.engine.config import EngineConfig
-from inflight.engine.parallel.collectives import Collectives, ShmCollectives
+from inflight.engine.device import resolve_device
+from inflight.engine.parallel.collectives import Collectives, ShmCollectives, TorchCollectives
 from inflight.engine.parallel.shm import PeerLost
 from inflight.engine.parallel.step_channel import StepChannel, StepDecoder, StepEncoder
 from inflight.engine.scheduler_output import PrefillBatch, SchedulerOutput
@@ -48,10 +50,13 @@ class RankSetup:
 
 @dataclass
 class TensorParallel:
-    """This process's place among the ranks; on rank 0, ``workers`` drives the others."""
+    """This process's place among the ranks: ``shm`` (the ranks' pids, liveness, small host exchanges) and ``comm``
+    (the model's tensors: ``shm`` itself between CPU ranks, a ``torch.distributed`` group otherwise); on rank 0,
+    ``workers`` drives the others."""
 
     rank: int
     size: int
+    shm: ShmCollectives
     comm: Collectives
     cpus: tuple[int, ...] | None = None
     workers: RankWorkers | None = None
@@ -79,9 +84,9 @@ def start_ranks(config: EngineConfig, max_model_len: int) -> TensorParallel:
     size = config.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", config.tensor_parallel_port or 0, size, True, timeout=STORE_TIMEOUT,
                           wait_for_workers=False)
-    comm = ShmCollectives.create(size)
+    shm = ShmCollectives.create(size)
     channel = StepChannel.create(size - 1)
-    store.set("collectives", comm.region.name)
+    store.set("collectives", shm.region.name)
     store.set("steps", channel.region.name)
     store.set("engine", pickle.dumps((config, max_model_len)))
     local = config.tensor_parallel_workers == "local"
@@ -93,20 +98,37 @@ def start_ranks(config: EngineConfig, max_model_len: int) -> TensorParallel:
                  for rank in range(1, size)] if local else []
     for process in processes:
         process.start()
-    workers = RankWorkers(processes, channel, comm, store)
-    comm.watch(workers.check)  # a local worker that dies before joining is noticed too
+    workers = RankWorkers(processes, channel, shm, store)
+    shm.watch(workers.check)  # a local worker that dies before joining is noticed too
     logger.info("tensor parallel: %d ranks (%s)", size,
                 f"workers' pids {[p.pid for p in processes]}" if local else f"workers join on port {store.port}")
-    return TensorParallel(0, size, comm, parts[0], workers)
+    try:  # (after the workers start: a torch.distributed group forms once every rank has joined)
+        comm = tensor_collectives(config, store, 0, size, shm)
+    except BaseException:
+        workers.close()
+        raise
+    return TensorParallel(0, size, shm, comm, parts[0], workers)
+
+
+def tensor_collectives(config: EngineConfig, store, rank: int, size: int, shm: ShmCollectives) -> Collectives:
+    """What carries the model's tensors between ranks (``tensor_parallel_backend``): shared memory between CPU ranks
+    ("auto"), NCCL between GPUs ("auto" on CUDA), or gloo (CPU ranks through ``torch.distributed``; tests and
+    comparisons)."""
+    backend = config.tensor_parallel_backend
+    if backend == "auto":
+        backend = "nccl" if resolve_device(config.device).type == "cuda" else "shm"
+    if backend == "shm":
+        return shm
+    return TorchCollectives.connect(dist.PrefixStore(backend, store), rank, size, backend)
 
 
 class RankWorkers:
     """Rank 0's handle on the other ranks: their step messages, their liveness, their shutdown."""
 
-    def __init__(self, processes: list, channel: StepChannel, comm: ShmCollectives, store) -> None:
-        self.processes, self.channel, self.comm, self.store = processes, channel, comm, store
+    def __init__(self, processes: list, channel: StepChannel, shm: ShmCollectives, store) -> None:
+        self.processes, self.channel, self.shm, self.store = processes, channel, shm, store
         self._encoder = StepEncoder()
-        self._finalizer = weakref.finalize(self, _stop, processes, channel, comm)
+        self._finalizer = weakref.finalize(self, _stop, processes, channel, shm)
 
     def check(self) -> None:
         """``PeerLost`` if a worker has ended (a local process by its exit code; any rank by its pid)."""
@@ -114,7 +136,7 @@ class RankWorkers:
             if process.exitcode is not None:
                 raise PeerLost(f"tensor parallel: rank {rank} (pid {process.pid}) has died "
                                f"(exit code {process.exitcode})")
-        self.comm.check_pids()
+        self.shm.check_pids()
 
     def send_step(self, batch: SchedulerOutput, greedy: bool) -> None:
         """``greedy``: every row samples plain greedy (the ranks compare their best tokens, not their logits)."""
@@ -127,7 +149,7 @@ class RankWorkers:
 
     def joined(self) -> None:
         """Every rank has attached the shared memory (after the first collective): its files can go now."""
-        self.comm.region.unlink()
+        self.shm.region.unlink()
         self.channel.region.unlink()
 
     def close(self) -> None:
@@ -135,7 +157,7 @@ class RankWorkers:
         self._finalizer()
 
 
-def _stop(processes: list, channel: StepChannel, comm: ShmCollectives, timeout_s: float = 10.0) -> None:
+def _stop(processes: list, channel: StepChannel, shm: ShmCollectives, timeout_s: float = 10.0) -> None:
     if all(p.exitcode is None for p in processes):
         try:
             channel.put(("stop", None), lambda: None)
@@ -147,7 +169,7 @@ def _stop(processes: list, channel: StepChannel, comm: ShmCollectives, timeout_s
             process.kill()
             process.join()
     channel.close()
-    comm.close()
+    shm.close()
 
 
 def worker_main(setup: RankSetup) -> None:
@@ -159,19 +181,22 @@ def worker_main(setup: RankSetup) -> None:
         os.sched_setaffinity(0, setup.cpus)  # before torch starts its compute threads, which inherit it
     store = dist.TCPStore("127.0.0.1", setup.store_port, setup.size, False, timeout=STORE_TIMEOUT)
     config, max_model_len = pickle.loads(store.get("engine"))
-    comm = ShmCollectives.attach(store.get("collectives").decode(), setup.rank, setup.size)
+    shm = ShmCollectives.attach(store.get("collectives").decode(), setup.rank, setup.size)
     channel = StepChannel.attach(store.get("steps").decode(), setup.size - 1, setup.rank - 1)
     try:
-        parallel = TensorParallel(setup.rank, setup.size, comm, setup.cpus)
+        if resolve_device(config.device).type == "cuda" and torch.cuda.device_count() > 1:
+            torch.cuda.set_device(setup.rank)  # spawned beside rank 0: every GPU visible (a Ray actor sees its own)
+        comm = tensor_collectives(config, store, setup.rank, setup.size, shm)
+        parallel = TensorParallel(setup.rank, setup.size, shm, comm, setup.cpus)
         runner = ModelRunner(config, read_model_source(config.model), max_model_len, parallel=parallel)
         serve_steps(runner, channel)
     except PeerLost:  # (rank 0 died, perhaps before every rank had joined: its files go here then)
-        comm.region.unlink()
+        shm.region.unlink()
         channel.region.unlink()
         logger.warning("tensor parallel rank %d: rank 0 has gone; stopping", setup.rank)
     finally:
         channel.close()
-        comm.close()
+        shm.close()
 
 
 def serve_steps(runner, channel: StepChannel) -> None:

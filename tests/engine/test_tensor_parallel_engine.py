@@ -117,6 +117,18 @@ def test_speculative_decoding_verifies_on_every_rank(checkpoint):
     assert whole[0].outputs[0].token_ids == cut[0].outputs[0].token_ids
 
 
+def test_ranks_can_sum_through_torch_distributed_as_gpus_do(checkpoint):
+    """``tensor_parallel_backend="gloo"``: the model's tensors go through a ``torch.distributed`` group (the path
+    NCCL takes between GPUs) instead of shared memory: the same tokens."""
+    path = checkpoint("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    whole, _ = run(path, 1, prompts()[:4], params()[4:8])
+    cut, _ = run(path, 2, prompts()[:4], params()[4:8], tensor_parallel_backend="gloo")
+    assert_same_tokens(whole, cut)
+    assert [o.outputs[0].token_ids for o in whole[2:]] == [o.outputs[0].token_ids for o in cut[2:]]  # seeded
+    with pytest.raises(ValueError, match="tensor_parallel_backend: 'nccl' carries GPU tensors"):
+        LLM(str(path), tensor_parallel_size=2, tensor_parallel_backend="nccl", device="cpu")
+
+
 def test_a_size_the_model_does_not_allow_is_refused_before_any_rank_starts(checkpoint):
     path = checkpoint("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
     before = set(multiprocessing.active_children())
@@ -132,7 +144,7 @@ def test_a_dead_rank_fails_the_next_step_and_closing_leaves_nothing_behind(check
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE_ARGS)
     parallel = llm.engine.runner.parallel
     worker = parallel.workers.processes[0]
-    files = [parallel.comm.region.name, parallel.workers.channel.region.name]
+    files = [parallel.shm.region.name, parallel.workers.channel.region.name]
     assert not any(os.path.exists(f) for f in files)  # removed once every rank had attached them
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     os.kill(worker.pid, signal.SIGKILL)
@@ -148,7 +160,7 @@ def test_closing_stops_the_ranks_and_no_shared_memory_file_outlives_the_start(ch
     before = set(glob.glob("/dev/shm/inflight-*"))
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE_ARGS)
     parallel = llm.engine.runner.parallel
-    assert parallel.comm.region.name.startswith("/dev/shm/inflight-")
+    assert parallel.shm.region.name.startswith("/dev/shm/inflight-")
     assert set(glob.glob("/dev/shm/inflight-*")) == before  # every rank attached: the names are gone, the memory not
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     llm.engine.close()
