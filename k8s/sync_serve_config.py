@@ -3,7 +3,7 @@
     python k8s/sync_serve_config.py           # rewrite the serveConfigV2 blocks (make k8s-config)
     python k8s/sync_serve_config.py --check   # exit 1 if a block differs from its config file
 
-``PAIRS``: configs/gpu-llama.yaml -> k8s/rayservice.yaml, configs/k8s-cpu-tp2.yaml -> k8s/rayservice-tp2.yaml. The
+``PAIRS``: configs/gpu-llama.yaml -> k8s/rayservice.yaml, configs/gpu-tp2.yaml -> k8s/rayservice-tp2.yaml. The
 config file is the source: it is what `serve run` takes on one machine, and KubeRay takes the same text. It is copied
 verbatim (comments too: inside a YAML block scalar they are text), indented under ``serveConfigV2: |``, so the
 manifest's value is exactly the file's content.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAIRS = [(ROOT / "configs" / "gpu-llama.yaml", ROOT / "k8s" / "rayservice.yaml"),
-         (ROOT / "configs" / "k8s-cpu-tp2.yaml", ROOT / "k8s" / "rayservice-tp2.yaml")]
+         (ROOT / "configs" / "gpu-tp2.yaml", ROOT / "k8s" / "rayservice-tp2.yaml")]
 KEY_LINE = "  serveConfigV2: |"  # under `spec:`
 INDENT = " " * 4
 

@@ -146,9 +146,9 @@ def test_pods_outlive_the_apps_drain(rayservice):
 
 
 def test_the_tensor_parallel_service_fits_a_replicas_ranks_on_one_pod():
-    """k8s/rayservice-tp2.yaml: a replica's placement group (a bundle per rank, STRICT_PACK) and a router fit on one
-    worker pod, whose Ray CPUs are its limit; the ranks' shared memory is a memory volume; the autoscaler may add a
-    pod per replica."""
+    """k8s/rayservice-tp2.yaml: a replica's placement group (a bundle of a GPU per rank, STRICT_PACK) and a router fit
+    on one worker pod, whose Ray CPUs and GPUs are its limits; shared memory is a memory volume; the autoscaler may
+    add a pod per replica."""
     service = the("RayService", "inflight-tp2")
     config = AppConfig.model_validate(_app_args(service))
     placement = config.placement()
@@ -157,11 +157,11 @@ def test_the_tensor_parallel_service_fits_a_replicas_ranks_on_one_pod():
     assert len(bundles) == config.engine_args["tensor_parallel_size"] == 2
     (group,) = _cluster(service)["workerGroupSpecs"]
     container = group["template"]["spec"]["containers"][0]
-    pod_cpus = float(container["resources"]["limits"]["cpu"])
-    assert sum(b["CPU"] for b in bundles) + config.router_num_cpus <= pod_cpus
-    assert config.engine_args["num_threads"] == config.num_cpus_per_replica  # a rank computes on its bundle's CPUs
+    limits = container["resources"]["limits"]
+    assert sum(b["CPU"] for b in bundles) + config.router_num_cpus <= float(limits["cpu"])
+    assert all(b["GPU"] == 1 for b in bundles) and sum(b["GPU"] for b in bundles) == int(limits["nvidia.com/gpu"])
     assert group["maxReplicas"] == config.autoscaling_config["max_replicas"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     (dshm,) = [v for v in group["template"]["spec"]["volumes"] if v["name"] == "dshm"]
     assert mounts["dshm"] == "/dev/shm" and dshm["emptyDir"]["medium"] == "Memory"
-    assert not _gpu_groups(service)  # (GPU ranks are not wired yet: configs/k8s-cpu-tp2.yaml says so)
+    assert _gpu_groups(service) == [group]

@@ -1,4 +1,4 @@
-"""Each RayService's serveConfigV2 is its config file verbatim (configs/gpu-llama.yaml, configs/k8s-cpu-tp2.yaml;
+"""Each RayService's serveConfigV2 is its config file verbatim (configs/gpu-llama.yaml, configs/gpu-tp2.yaml;
 k8s/sync_serve_config.py keeps them so), and Ray Serve's own schema and the app's builder accept it. (Every file in configs/ is checked the same way in
 tests/serving/test_app_config.py.)"""
 
@@ -39,7 +39,7 @@ def test_serve_config_v2_validates_against_ray_serve_schema(name, text):
 
 
 @pytest.mark.parametrize("manifest, config", [("rayservice.yaml", "gpu-llama.yaml"),
-                                              ("rayservice-tp2.yaml", "k8s-cpu-tp2.yaml")])
+                                              ("rayservice-tp2.yaml", "gpu-tp2.yaml")])
 def test_serve_config_v2_is_its_config_file(manifest, config):
     (name, text), = [(n, t) for n, t in serve_configs() if n.startswith(manifest + ":")]
     assert text == (ROOT / "configs" / config).read_text(), f"{name} drifted from {config}: run `make k8s-config`"

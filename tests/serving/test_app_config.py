@@ -97,7 +97,7 @@ def test_configs_exist():
     assert {p.name for p in CONFIGS} >= {"demo.yaml", "demo-multi.yaml"}
 
 
-CLUSTER_CONFIGS = ("gpu-llama.yaml", "k8s-cpu-tp2.yaml")  # the RayServices' (k8s/)
+CLUSTER_CONFIGS = ("gpu-llama.yaml", "gpu-tp2.yaml")  # the RayServices' (k8s/)
 LOCAL_CONFIGS = [p for p in CONFIGS if p.name not in CLUSTER_CONFIGS]
 
 
