@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import multiprocessing
 import os
+import re
 import signal
 
 import pytest
@@ -115,6 +116,33 @@ def test_speculative_decoding_verifies_on_every_rank(checkpoint):
                                                                   "adaptive": False})
     assert stats["spec_num_proposed_tokens"] > 0
     assert whole[0].outputs[0].token_ids == cut[0].outputs[0].token_ids
+
+
+def test_prefix_caching_and_structured_outputs_on_two_ranks():
+    """demo-tiny (the served model): prompts sharing a prefix (cached blocks reused on every rank, as the scheduler
+    says) and structured outputs (rank 0's sampler, masked by the grammar) give one rank's texts."""
+    from inflight.engine.structured_output import StructuredOutput
+
+    shared = "A long shared system prompt that fills several blocks of KV " * 3
+    inputs = [shared + f"question {i}" for i in range(4)] * 2
+    sampling = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 8 + [
+        SamplingParams(max_tokens=32, temperature=1.0, seed=5,
+                       structured_output=StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}")),
+        SamplingParams(max_tokens=16, temperature=1.0, seed=6,
+                       structured_output=StructuredOutput("choice", ["yes", "no", "maybe so"]))]
+    texts, hits = {}, {}
+    for size in (1, 2):
+        llm = LLM("demo-tiny", tensor_parallel_size=size, block_size=4, num_kv_blocks=512, num_threads=1)
+        try:
+            first = llm.generate(inputs[:4], sampling[:4])  # then the same prompts again: their blocks are cached
+            outputs = first + llm.generate(inputs[4:] + ["pick", "answer"], sampling[4:])
+            texts[size] = [o.outputs[0].text for o in outputs]
+            hits[size] = llm.engine.stats()["prefix_cache_hit_tokens"]
+        finally:
+            llm.engine.close()
+    assert texts[1] == texts[2]
+    assert hits[2] == hits[1] > 0
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", texts[2][8]) and texts[2][9] in ("yes", "no", "maybe so")
 
 
 def test_ranks_can_sum_through_torch_distributed_as_gpus_do(checkpoint):
