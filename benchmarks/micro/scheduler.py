@@ -102,6 +102,9 @@ class StandInModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.row.expand(len(hidden), -1)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden).argmax(dim=-1)
+
 
 class StandInDevice:
     """A GPU's stand-in under the engine: each launched step occupies it for ``device_ms`` after the step launched
