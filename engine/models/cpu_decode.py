@@ -66,7 +66,7 @@ class FusedDecode:
             return None
         if model.model.norm.weight.dtype is not torch.bfloat16 or model.residual_dtype is not torch.float32:
             return None
-        if cfg.qk_norm or cfg.num_heads % cfg.num_kv_heads:
+        if cfg.qk_norm or cfg.num_experts or cfg.num_heads % cfg.num_kv_heads:
             return None
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -1,4 +1,5 @@
-"""One decoder for the Llama family: Llama (llama3 RoPE), Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+"""One decoder for the Llama family: Llama (llama3 RoPE), Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm), and their
+mixture-of-experts kin, Mixtral and Qwen3-MoE (routed experts in place of the MLP: ``SparseMoE``).
 
 The model works on a flat batch: ``[num_tokens]`` ids from many requests at once, with their
 positions; attention reads and writes the paged cache through the backend, using the step's
@@ -119,14 +120,64 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class Experts(nn.Module):
+    """``num_experts`` SiLU MLPs as two stacked weights (transformers' layout: [experts, 2 x moe_intermediate,
+    hidden] for gate and up, [experts, hidden, moe_intermediate] for down)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """``x`` [tokens, hidden]; each token's ``chosen`` experts [tokens, k] with their ``weights``. The
+        (token, expert) pairs are sorted by expert, so each expert's weights are read once for all its tokens;
+        a token's contributions are added in expert order, as transformers adds them."""
+        k = chosen.shape[1]
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, by token within one
+        token = order // k
+        rows = x[token]  # [pairs, hidden]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()):
+            if count:
+                segment = rows[start:start + count]
+                gate, up = F.linear(segment, self.gate_up_proj[expert]).chunk(2, dim=-1)
+                out[start:start + count] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+                start += count
+        out *= weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+
+class SparseMoE(nn.Module):
+    """Mixture of experts (Mixtral, Qwen3-MoE): a router scores the experts (softmax in float32), each token goes to
+    its ``num_experts_per_tok`` best, whose outputs are summed by those probabilities (renormalized to sum 1 where
+    ``norm_topk_prob``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [tokens, experts]
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, weights.to(x.dtype), chosen)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         ops = fused_ops(backend)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg, ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache | None,
                 metadata: Any, num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +199,7 @@ class DecoderModel(nn.Module):
         # (~3 s of every engine's start) for values the checkpoint overwrites anyway
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, index) for index in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops(backend))
 
 

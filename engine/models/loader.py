@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -31,6 +32,10 @@ from inflight.kernels import AttentionBackend, quantized
 logger = logging.getLogger(__name__)
 
 # Hugging Face keeps q/k/v and gate/up apart; we fuse them. (our name, its name, shard index)
+# One expert's matrices (legacy per-expert names; Mixtral's w1/w3/w2 are gate/up/down): into the stacked weights.
+_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                 "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -142,14 +147,33 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
     params = dict(model.named_parameters())
     missing = set(params)
     cfg = model.config
-    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp  # (a tensor-parallel rank's sizes)
+    attention = model.model.layers[0].self_attn  # (its sizes and the MLP's: a tensor-parallel rank's)
+    dense = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate_up_proj")]  # (not the experts)
     split_sizes = {"self_attn.qkv_proj": [attention.q_size, attention.kv_size, attention.kv_size],
-                   "mlp.gate_up_proj": [mlp.intermediate_size] * 2}
+                   "mlp.gate_up_proj": [dense[0].intermediate_size] * 2 if dense else []}
     pending: dict[str, tuple[str, dict[int, QuantValues]]] = {}  # our weight name -> (fused, its parts so far)
     for hf_name, tensor in tensors:
         if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
         if "rotary_emb" in hf_name:
+            continue
+        hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # (Mixtral's name for its experts' block)
+        expert = _EXPERT.match(hf_name)
+        if expert is not None:  # one expert's matrix, into its slot of the stacked weights
+            prefix, index, part = expert.groups()
+            stacked, half = _EXPERT_PARTS[part]
+            name = f"{prefix}.mlp.experts.{stacked}"
+            if name not in params or int(index) >= params[name].shape[0]:
+                raise ValueError(f"model: unexpected weight {hf_name!r} in {where}")
+            target = params[name].data[int(index)]
+            if half is not None:
+                rows = target.shape[0] // 2
+                target = target[half * rows:(half + 1) * rows]
+            if tensor.shape != target.shape:
+                raise ValueError(f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(tensor if not isinstance(tensor, QuantValues) else tensor.dequantize())
+            missing.discard(name)
             continue
         name, fused, shard = hf_name, None, 0
         for hf_part, (our_part, index) in _FUSED.items():

@@ -43,6 +43,8 @@ def _problems(cfg: ModelConfig, size: int) -> list[str]:
                         f"heads, or a multiple of them that divides each one's query heads)")
     if cfg.intermediate_size < size:
         problems.append(f"intermediate size {cfg.intermediate_size}")
+    if cfg.num_experts and size > 1:
+        problems.append(f"{cfg.num_experts} experts (mixture-of-experts layers are not cut over ranks yet)")
     return problems
 
 

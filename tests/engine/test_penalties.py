@@ -35,7 +35,8 @@ def test_repetition_penalty_matches_transformers(checkpoint, arch):
     for prompt, p, tokens in zip(prompts, params, got):
         want = hf_greedy(path, prompt, 12, repetition_penalty=p.repetition_penalty)
         assert tokens == want, f"repetition_penalty {p.repetition_penalty}: engine {tokens} != transformers {want}"
-    assert got[0] != hf_greedy(path, prompts[0], 12), "the penalty must change this output, or the test is blind"
+    assert any(got[i] != hf_greedy(path, prompts[i], 12) for i in (0, 2)), \
+        "a penalty must change an output, or the test is blind"
 
 
 def reference_openai_penalties(path, prompt, max_tokens, frequency, presence, bias=None):

@@ -1,0 +1,50 @@
+"""engine.models.config's registry: every architecture it names loads (the vs-transformers tests run each family,
+tests/checkpoints.ARCHITECTURES); an unknown one is refused listing the supported ones; a mixture-of-experts config
+says which layers route to experts, read as transformers reads it."""
+
+from __future__ import annotations
+
+import pytest
+
+from inflight.engine.models.config import FAMILIES, ModelConfig
+from tests.checkpoints import hf_config
+
+NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def config_of(arch: str, **overrides) -> ModelConfig:
+    return ModelConfig.from_hf({**hf_config(arch, **overrides).to_dict(), "architectures": [NAMES[arch]]})
+
+
+def test_the_registry_is_what_the_tests_run():
+    assert set(FAMILIES) == set(NAMES.values())
+
+
+def test_an_unknown_architecture_is_refused_with_the_supported_ones():
+    with pytest.raises(ValueError, match=r"model architecture 'GemmaForCausalLM' is not supported; supported: "
+                                         r"LlamaForCausalLM, .*MixtralForCausalLM, Qwen3MoeForCausalLM"):
+        ModelConfig.from_hf({**hf_config("llama").to_dict(), "architectures": ["GemmaForCausalLM"]})
+
+
+def test_experts_layers_as_transformers_places_them():
+    mixtral = config_of("mixtral")
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_layers) == (4, 2, (0, 1))
+    assert mixtral.moe_intermediate_size == mixtral.intermediate_size and mixtral.norm_topk_prob
+    qwen = config_of("qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert qwen.moe_layers == (1, 5) and qwen.moe_intermediate_size == 48  # (i + 1) % 2 == 0, but layer 3
+    # Qwen's own config.json says num_experts (transformers >= 5 writes num_local_experts): either is read
+    raw = {**hf_config("qwen3_moe").to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
+    raw["num_experts"] = raw.pop("num_local_experts", None) or raw.pop("num_experts")
+    assert ModelConfig.from_hf(raw).num_experts == 8
+    assert config_of("qwen3").num_experts == 0 and config_of("qwen3").moe_layers == ()
+    # every expert's weights are counted: 8 x 3 x 64 x 48 plus the router's 8 x 64, in the one MoE layer
+    assert config_of("qwen3_moe").num_parameters - config_of("qwen3").num_parameters == \
+        8 * (3 * 64 * 48 + 64) - 3 * 64 * 160
+
+
+def test_experts_are_not_cut_over_ranks_yet():
+    from inflight.engine.models.tensor_parallel import check_tensor_parallel_size
+
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot cut the model's 4 experts"):
+        check_tensor_parallel_size(config_of("mixtral"), 2)
