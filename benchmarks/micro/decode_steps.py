@@ -23,19 +23,22 @@ import torch
 PROMPT_STEPS = 3
 
 
-def step_times(engine, rows: int, prompt_len: int, tokens: int) -> list[float]:
-    """Seconds of each decode step while ``rows`` requests decode ``tokens`` tokens together."""
+def step_times(engine, rows: int, prompt_len: int, tokens: int, token_range: tuple[int, int] = (4, 4004),
+               skip: int = PROMPT_STEPS) -> list[float]:
+    """Seconds of each decode step while ``rows`` requests decode ``tokens`` tokens together (the first ``skip``
+    steps, the prompts', left out)."""
     from benchmarks.common.workloads import sampling_params
 
-    for i in range(rows):  # each row its own prompt (word ids from 4 up), so each reads its own KV
-        prompt = [4 + (i + j) % 4000 for j in range(prompt_len)]
+    low, high = token_range
+    for i in range(rows):  # each row its own prompt (ordinary token ids), so each reads its own KV
+        prompt = [low + (i + j) % (high - low) for j in range(prompt_len)]
         engine.add_request(f"decode-steps-{time.monotonic_ns()}-{i}", prompt, sampling_params(tokens))
     times = []
     while engine.has_unfinished_requests():
         started = time.perf_counter()
         engine.core_step()
         times.append(time.perf_counter() - started)
-    return times[PROMPT_STEPS:]
+    return times[skip:]
 
 
 def decode_engine(max_rows: int, prompt_len: int, tokens: int, threads: int):

@@ -27,6 +27,7 @@ import time
 from benchmarks.common.flags import comma_separated, positive_int
 from benchmarks.common.models import add_model_arg, model_from_args
 from benchmarks.common.report import print_table, write_json
+from benchmarks.micro.decode_steps import step_times
 
 PROMPT_STEPS = 4  # the prompts' steps, left out of the decode median
 
@@ -37,18 +38,7 @@ def row_counts(text: str) -> list[int]:
 
 def decode_steps(engine, rows: int, prompt_len: int, tokens: int, token_range: tuple[int, int]) -> list[float]:
     """Seconds of each decode step while ``rows`` requests decode ``tokens`` tokens together."""
-    from benchmarks.common.workloads import sampling_params
-
-    low, high = token_range
-    for i in range(rows):
-        prompt = [low + (7 * i + 13 * j) % (high - low) for j in range(prompt_len)]
-        engine.add_request(f"tp-{time.monotonic_ns()}-{i}", {"prompt_token_ids": prompt}, sampling_params(tokens))
-    times = []
-    while engine.has_unfinished_requests():
-        started = time.perf_counter()
-        engine.core_step()
-        times.append(time.perf_counter() - started)
-    return times[PROMPT_STEPS:]
+    return step_times(engine, rows, prompt_len, tokens, token_range, skip=PROMPT_STEPS)
 
 
 class StepCounter:
