@@ -6,8 +6,8 @@ process), so the group's bundles are the replica's resources and the autoscaler 
 replica starts ranks 1..N-1 here, each an actor in its own bundle running ``engine.parallel.ranks.worker_main``,
 and tells its engine (``tensor_parallel_workers="external"``) the port where rank 0 will wait for them.
 
-The actors are the replica's: they die with it (Ray kills the actors an actor owns), and ``stop`` kills them at
-shutdown. ``check`` (the replica's health check) fails once a rank's run has ended; rank 0 notices a rank that died
+The actors are the replica's: they die with it (Ray kills the actors an actor owns); ``stop`` kills them when the
+replica's engine fails to start. ``check`` (the replica's health check) fails once a rank's run has ended; rank 0 notices a rank that died
 mid-step at once, and an idle engine within a second (the pids in the shared memory).
 """
 
