@@ -12,7 +12,7 @@ from inflight.engine.models.demo_tiny import CHAT_TEMPLATE, build_tokenizer
 VOCAB_SIZE = 263  # demo-tiny's byte-level tokenizer
 EOS_ID = 2
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")
 
 
 def hf_config(arch: str, **overrides):
@@ -34,6 +34,9 @@ def hf_config(arch: str, **overrides):
     elif arch == "qwen3":
         cls = transformers.Qwen3Config
         common.update(head_dim=32)  # Qwen3 sets head_dim apart from hidden / heads
+    elif arch == "phi3":  # q/k/v and gate/up stored fused
+        cls = transformers.Phi3Config
+        common.update(sliding_window=None, pad_token_id=0)
     elif arch == "qwen3_moe":  # 8 experts, 2 a token, renormalized; layer 0 keeps a dense MLP (mlp_only_layers)
         cls = transformers.Qwen3MoeConfig
         common.update(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,

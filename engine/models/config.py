@@ -21,6 +21,7 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family(),
     "Qwen2ForCausalLM": Family(qkv_bias=True, sliding_window_flag="use_sliding_window"),
     "Qwen3ForCausalLM": Family(qk_norm=True),
+    "Phi3ForCausalLM": Family(),  # its files hold q/k/v and gate/up fused already, in our order
     "MixtralForCausalLM": Family(moe=True),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe=True),
 }
@@ -87,6 +88,8 @@ class ModelConfig:
         # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        if float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 (RoPE on part of each head) is not supported")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         attention_bias = bool(hf.get("attention_bias", False))

@@ -1,4 +1,4 @@
-"""One decoder for the Llama family: Llama (llama3 RoPE), Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm), and their
+"""One decoder for the Llama family: Llama (llama3 RoPE), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), Phi-3, and their
 mixture-of-experts kin, Mixtral and Qwen3-MoE (routed experts in place of the MLP: ``SparseMoE``).
 
 The model works on a flat batch: ``[num_tokens]`` ids from many requests at once, with their

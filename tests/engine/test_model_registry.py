@@ -10,7 +10,8 @@ from inflight.engine.models.config import FAMILIES, ModelConfig
 from tests.checkpoints import hf_config
 
 NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+         "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+         "mixtral": "MixtralForCausalLM"}
 
 
 def config_of(arch: str, **overrides) -> ModelConfig:
@@ -41,6 +42,13 @@ def test_experts_layers_as_transformers_places_them():
     # every expert's weights are counted: 8 x 3 x 64 x 48 plus the router's 8 x 64, in the one MoE layer
     assert config_of("qwen3_moe").num_parameters - config_of("qwen3").num_parameters == \
         8 * (3 * 64 * 48 + 64) - 3 * 64 * 160
+
+
+def test_rope_on_part_of_each_head_is_refused():
+    raw = {**hf_config("phi3").to_dict(), "architectures": ["Phi3ForCausalLM"]}
+    raw["rope_parameters"] = {**(raw.get("rope_parameters") or {}), "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf(raw)
 
 
 def test_experts_are_not_cut_over_ranks_yet():
