@@ -13,6 +13,7 @@ class Family:
     qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
     sliding_window_flag: str | None = None  # a config key that must be true for sliding_window to apply (Qwen2)
     moe: bool = False  # mixture of experts (Qwen3-MoE, Mixtral): num_experts or num_local_experts count them
+    renormalizes_top_k: bool | None = None  # the chosen experts' weights made to sum 1; None: norm_topk_prob says
 
 
 # The one registry: an architecture name (config.json's ``architectures``) -> its family.
@@ -22,7 +23,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family(qkv_bias=True, sliding_window_flag="use_sliding_window"),
     "Qwen3ForCausalLM": Family(qk_norm=True),
     "Phi3ForCausalLM": Family(),  # its files hold q/k/v and gate/up fused already, in our order
-    "MixtralForCausalLM": Family(moe=True),
+    "MixtralForCausalLM": Family(moe=True, renormalizes_top_k=True),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe=True),
 }
 
@@ -127,7 +128,7 @@ class ModelConfig:
             num_experts=num_experts,
             num_experts_per_tok=hf.get("num_experts_per_tok", 0) if num_experts else 0,
             moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"] if num_experts else 0,
-            # Mixtral always renormalizes its top-k weights; Qwen3-MoE when norm_topk_prob says so
-            norm_topk_prob=bool(hf.get("norm_topk_prob", arch == "MixtralForCausalLM")) if num_experts else False,
+            norm_topk_prob=(family.renormalizes_top_k if family.renormalizes_top_k is not None
+                            else bool(hf.get("norm_topk_prob", False))) if num_experts else False,
             moe_layers=moe_layers,
         )

@@ -31,11 +31,11 @@ from inflight.kernels import AttentionBackend, quantized
 
 logger = logging.getLogger(__name__)
 
-# Hugging Face keeps q/k/v and gate/up apart; we fuse them. (our name, its name, shard index)
 # One expert's matrices (legacy per-expert names; Mixtral's w1/w3/w2 are gate/up/down): into the stacked weights.
 _EXPERT = re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                  "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
+# Hugging Face keeps q/k/v and gate/up apart; we fuse them. (our name, its name, shard index)
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
