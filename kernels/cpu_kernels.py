@@ -139,6 +139,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         **{f"shm_all_reduce_{suffix}": ([ptr, ptr, i64, i64, i64, ctypes.c_uint64, ptr, i64, i64, i64], i32)
            for suffix in SUFFIXES.values()},
         **{f"shm_sum_{suffix}": ([ptr, i64, ptr, i64, i64], None) for suffix in SUFFIXES.values()},
+        **{f"moe_experts_{suffix}": ([ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i32], None)
+           for suffix in SUFFIXES.values()},
     })
     for name, (argtypes, restype) in exports.items():
         if hasattr(lib, name):
@@ -297,6 +299,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, double // 2), dtype=gate_up.dtype)
     kernel(gate_up.data_ptr(), out.data_ptr(), num_tokens, double // 2, gate_up.stride(0),
                             torch.get_num_threads())
+    return out
+
+
+def moe_experts(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts layer's experts (``csrc/moe_experts.h``): ``rows`` [pairs, hidden] grouped by expert,
+    ``counts[e]`` of them expert e's; ``gate_up`` [experts, 2 x inter, hidden], ``down`` [experts, hidden, inter].
+    Returns [pairs, hidden]: each row through its expert's SiLU MLP."""
+    kernel = _kernel("moe_experts", rows, gate_up, down)
+    assert rows.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()
+    num_experts, hidden, inter = down.shape
+    offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    act = torch.empty((rows.shape[0], inter), dtype=rows.dtype)
+    out = torch.empty_like(rows)
+    kernel(rows.data_ptr(), offsets.data_ptr(), num_experts, gate_up.data_ptr(), down.data_ptr(), act.data_ptr(),
+           out.data_ptr(), hidden, inter, torch.get_num_threads())
     return out
 
 

@@ -122,7 +122,11 @@ class MLP(nn.Module):
 
 class Experts(nn.Module):
     """``num_experts`` SiLU MLPs as two stacked weights (transformers' layout: [experts, 2 x moe_intermediate,
-    hidden] for gate and up, [experts, hidden, moe_intermediate] for down)."""
+    hidden] for gate and up, [experts, hidden, moe_intermediate] for down). ``kernel``: the CPU kernels'
+    ``moe_experts`` (every expert in one call, ``kernels/csrc/moe_experts.h``), set where the model runs on them;
+    else a loop over the experts in PyTorch (``loop``, also its reference)."""
+
+    kernel: Callable | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -139,16 +143,23 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, by token within one
         token = order // k
         rows = x[token]  # [pairs, hidden]
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in enumerate(torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()):
-            if count:
-                segment = rows[start:start + count]
-                gate, up = F.linear(segment, self.gate_up_proj[expert]).chunk(2, dim=-1)
-                out[start:start + count] = F.linear(F.silu(gate) * up, self.down_proj[expert])
-                start += count
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        run = self.kernel if self.kernel is not None else self.loop
+        out = run(rows, counts, self.gate_up_proj, self.down_proj)
         out *= weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    @staticmethod
+    def loop(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """``rows`` grouped by expert (``counts[e]`` of expert e's) through their experts, one expert at a time."""
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                gate, up = F.linear(rows[start:start + count], gate_up[expert]).chunk(2, dim=-1)
+                out[start:start + count] = F.linear(F.silu(gate) * up, down[expert])
+                start += count
+        return out
 
 
 class SparseMoE(nn.Module):

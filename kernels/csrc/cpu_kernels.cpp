@@ -1091,6 +1091,7 @@ static void linear_pairs(const bf16* x, const bf16* packed, const bf16* bias, O*
 
 #include "quant_linear.h"
 #include "shm_reduce.h"
+#include "moe_experts.h"
 
 extern "C" {
 
@@ -1271,5 +1272,13 @@ int quant_vnni() { return INFLIGHT_QUANT_VNNI; }
     }
 INFLIGHT_SHM_EXPORTS(float, f32)
 INFLIGHT_SHM_EXPORTS(bf16, bf16)
+
+#define INFLIGHT_MOE_EXPORTS(T, SUFFIX)                                                                             \
+    void moe_experts_##SUFFIX(const T* rows, const int64_t* offsets, int64_t num_experts, const T* gate_up,         \
+                              const T* down, T* act, T* out, int64_t hidden, int64_t inter, int num_threads) {      \
+        moe_experts<T>(rows, offsets, num_experts, gate_up, down, act, out, hidden, inter, num_threads);            \
+    }
+INFLIGHT_MOE_EXPORTS(float, f32)
+INFLIGHT_MOE_EXPORTS(bf16, bf16)
 
 }  // extern "C"
