@@ -27,8 +27,8 @@ from inflight.engine.cuda_graphs import DecodeGraphs
 from inflight.engine.device import choose_dtype, resolve_device
 from inflight.engine.kv_budget import SharedBudget, count_kv_blocks
 from inflight.engine.models.cpu_decode import FusedDecode
-from inflight.engine.models.cpu_packing import pack_linear_weights
-from inflight.engine.models.llama import CausalLM, Experts
+from inflight.engine.models.cpu_packing import pack_expert_weights, pack_linear_weights
+from inflight.engine.models.llama import CausalLM
 from inflight.engine.models.loader import build_model
 from inflight.engine.models.quantized import weight_bytes
 from inflight.engine.models.source import ModelSource
@@ -38,7 +38,7 @@ from inflight.engine.prompt_outputs import PromptOutput, prompt_outputs
 from inflight.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from inflight.engine.structured_output import GrammarCompiler
 from inflight.engine.scheduler_output import PrefillBatch, SchedulerOutput
-from inflight.kernels import BatchLayout, cpu_kernels, get_attention_backend
+from inflight.kernels import BatchLayout, get_attention_backend
 from inflight.kernels.dense_prefill import DensePrefillMetadata
 
 logger = logging.getLogger(__name__)
@@ -144,10 +144,7 @@ class ModelRunner:
         logger.info("model weights: %.1f MB in memory", weight_bytes(self.model) / 1e6)  # (quantized ones as kept)
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # faster decode-sized matmuls (see cpu_packing.py)
-            if self.backend.elementwise_ops() is not None:  # (the CPU kernels are built): experts in one call each
-                for module in self.model.modules():
-                    if isinstance(module, Experts):
-                        module.kernel = cpu_kernels.moe_experts
+            pack_expert_weights(self.model)  # a MoE layer's experts in one call (bf16)
             if self.dtype == torch.bfloat16 and self.backend.elementwise_ops() is not None:
                 self.model.residual_dtype = torch.float32  # the CPU kernels' norm keeps it (CausalLM.residual_dtype)
                 if parallel is None:  # (its one C++ call has no place for the ranks' all-reduces)

@@ -139,8 +139,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         **{f"shm_all_reduce_{suffix}": ([ptr, ptr, i64, i64, i64, ctypes.c_uint64, ptr, i64, i64, i64], i32)
            for suffix in SUFFIXES.values()},
         **{f"shm_sum_{suffix}": ([ptr, i64, ptr, i64, i64], None) for suffix in SUFFIXES.values()},
-        **{f"moe_experts_{suffix}": ([ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i32], None)
-           for suffix in SUFFIXES.values()},
+        "moe_experts_bf16": ([ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32], None),
     })
     for name, (argtypes, restype) in exports.items():
         if hasattr(lib, name):
@@ -302,18 +301,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def moe_experts(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """A mixture-of-experts layer's experts (``csrc/moe_experts.h``): ``rows`` [pairs, hidden] grouped by expert,
-    ``counts[e]`` of them expert e's; ``gate_up`` [experts, 2 x inter, hidden], ``down`` [experts, hidden, inter].
-    Returns [pairs, hidden]: each row through its expert's SiLU MLP."""
-    kernel = _kernel("moe_experts", rows, gate_up, down)
-    assert rows.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()
-    num_experts, hidden, inter = down.shape
+def pack_experts(weights: torch.Tensor) -> torch.Tensor:
+    """Stacked expert weights [experts, out, in] bfloat16, each packed by ``pack_linear_pairs``: [experts, ...]."""
+    return torch.stack([pack_linear_pairs(weight) for weight in weights])
+
+
+def moe_experts(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+                inter: int) -> torch.Tensor:
+    """A mixture-of-experts layer's experts (``csrc/moe_experts.h``, on AVX-512 BF16 only): ``rows`` [pairs, hidden]
+    bfloat16 grouped by expert, ``counts[e]`` of them expert e's; ``gate_up`` and ``down`` the stacked weights
+    [experts, 2 x inter, hidden] and [experts, hidden, inter] packed by ``pack_experts``. Returns [pairs, hidden]:
+    each row through its expert's SiLU MLP, by the dense MLP's kernels."""
+    assert bf16_dot_products(), "moe_experts needs a build with AVX-512 BF16 (bf16_dot_products())"
+    assert rows.dtype is gate_up.dtype is down.dtype is torch.bfloat16 and rows.is_contiguous()
     offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    scratch = torch.empty((rows.shape[0], 2 * inter), dtype=rows.dtype)
     act = torch.empty((rows.shape[0], inter), dtype=rows.dtype)
     out = torch.empty_like(rows)
-    kernel(rows.data_ptr(), offsets.data_ptr(), num_experts, gate_up.data_ptr(), down.data_ptr(), act.data_ptr(),
-           out.data_ptr(), hidden, inter, torch.get_num_threads())
+    _lib().moe_experts_bf16(rows.data_ptr(), offsets.data_ptr(), gate_up.shape[0], gate_up.data_ptr(),
+                            gate_up[0].numel(), down.data_ptr(), down[0].numel(), scratch.data_ptr(), act.data_ptr(),
+                            out.data_ptr(), rows.shape[1], inter, torch.get_num_threads())
     return out
 
 

@@ -1,11 +1,12 @@
 """A mixture-of-experts layer's experts: the CPU kernel (every expert in one call, ``kernels/csrc/moe_experts.h``)
-against the PyTorch loop over experts it replaced (``Experts.loop``), on real shapes with random weights, alternately.
+against the PyTorch loop over experts it replaced (``Experts.loop``), on real shapes with random weights, alternately,
+in bfloat16 (the kernel runs on AVX-512 BF16's dot products, as the dense linears).
 
 For each shape and row count: ``rows`` tokens routed to ``top_k`` experts each (a random router), the pairs grouped by
 expert as the model groups them; each system's median over ``--repeats`` alternating calls. Shapes (one layer):
 ``qwen3-30b-a3b`` (hidden 2,048, 128 experts of 768, 8 a token) and ``mixtral-8x7b`` (4,096, 8 of 14,336, 2).
 
-    python -m benchmarks.micro.moe_experts --rows 1,16,64 --dtype bfloat16
+    python -m benchmarks.micro.moe_experts --rows 1,16,64
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def routed(rows: int, experts: int, top_k: int, generator: torch.Generator) -> l
     return torch.bincount(chosen.reshape(-1), minlength=experts).tolist()
 
 
-def measure(shape: str, rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+def measure(shape: str, rows: int, repeats: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     from inflight.engine.models.llama import Experts
     from inflight.kernels import cpu_kernels
 
@@ -41,14 +42,16 @@ def measure(shape: str, rows: int, dtype: torch.dtype, repeats: int) -> dict[str
     down = (torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).to(dtype)
     counts = routed(rows, experts, top_k, g)
     x = torch.randn(sum(counts), hidden, generator=g).to(dtype)
-    systems = {"kernel": cpu_kernels.moe_experts, "loop": Experts.loop}
+    packed = dict(gate_up=cpu_kernels.pack_experts(gate_up), down=cpu_kernels.pack_experts(down), inter=inter)
+    systems = {"kernel": lambda: cpu_kernels.moe_experts(x, counts, **packed),
+               "loop": lambda: Experts.loop(x, counts, gate_up, down)}
     times: dict[str, list[float]] = {name: [] for name in systems}
-    for name, run in systems.items():  # warm-up (oneDNN's primitives, the first call's pages)
-        run(x, counts, gate_up, down)
+    for run in systems.values():  # warm-up (oneDNN's primitives, the first call's pages)
+        run()
     for _ in range(repeats):
         for name, run in systems.items():
             started = time.perf_counter()
-            run(x, counts, gate_up, down)
+            run()
             times[name].append(time.perf_counter() - started)
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
@@ -58,7 +61,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", type=lambda t: comma_separated(t, str, "shape names"), default=list(SHAPES))
     parser.add_argument("--rows", type=lambda t: [positive_int(v) for v in comma_separated(t, str, "row counts")],
                         default=[1, 16, 64])
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None)
@@ -68,21 +70,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
     from inflight.kernels import cpu_kernels
 
-    if cpu_kernels.load() is None:
-        parser.error("the CPU kernels are not built here (a C++ compiler is needed)")
+    if not cpu_kernels.bf16_dot_products():
+        parser.error("the MoE kernel needs the CPU kernels built with AVX-512 BF16, which this machine lacks")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     table, results = [], []
     for shape in args.shapes:
         for rows in args.rows:
-            ms = measure(shape, rows, dtype, args.repeats)
+            ms = measure(shape, rows, args.repeats)
             table.append([shape, rows, f"{ms['kernel']:.2f}", f"{ms['loop']:.2f}", f"{ms['kernel'] / ms['loop']:.2f}"])
             results.append({"shape": shape, "rows": rows, **{f"{k}_ms": v for k, v in ms.items()}})
             print(f"{shape}, {rows} rows: kernel {ms['kernel']:.2f} ms, loop {ms['loop']:.2f} ms", flush=True)
-    print_table(f"A MoE layer's experts, {args.dtype}, {torch.get_num_threads()} threads (median of {args.repeats} "
+    print_table(f"A MoE layer's experts, bfloat16, {torch.get_num_threads()} threads (median of {args.repeats} "
                 "alternating calls)", ["shape", "rows", "kernel ms", "loop ms", "kernel / loop"], table)
-    write_json(args.json, {"dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": args.repeats,
+    write_json(args.json, {"dtype": "bfloat16", "threads": torch.get_num_threads(), "repeats": args.repeats,
                            "results": results})
 
 

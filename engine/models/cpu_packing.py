@@ -45,6 +45,7 @@ A row's result does not depend on the rows beside it (checked bit for bit: tests
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -104,6 +105,26 @@ def _float32_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def pack_expert_weights(model: nn.Module) -> int:
+    """Give every bfloat16 ``Experts`` module (a MoE layer's) a ``kernel``: all its experts in one call of
+    ``cpu_kernels.moe_experts`` on packed copies of its weights, by ``linear_pairs`` as the dense linears. Where the
+    build has no AVX-512 BF16, and for float32, the experts stay a loop over PyTorch linears (oneDNN's). Returns how
+    many were given one. (``benchmarks.micro.moe_experts``: the kernel against that loop.)"""
+    from inflight.engine.models.llama import Experts
+
+    if not cpu_kernels.bf16_dot_products():
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Experts) and module.gate_up_proj.dtype is torch.bfloat16 \
+                and module.gate_up_proj.device.type == "cpu":
+            module.kernel = functools.partial(cpu_kernels.moe_experts, gate_up=cpu_kernels.pack_experts(
+                module.gate_up_proj.detach()), down=cpu_kernels.pack_experts(module.down_proj.detach()),
+                inter=module.intermediate_size)
+            count += 1
+    return count
+
+
 def pack_linear_weights(model: nn.Module, expected_rows: int = 64) -> int:
     """Give every float32 or bfloat16 ``nn.Linear`` of ``model`` packed copies of its weight and a forward that uses
     them for every row count; returns how many were packed. float32 (and bf16 without the dot-product kernel):

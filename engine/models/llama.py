@@ -122,11 +122,11 @@ class MLP(nn.Module):
 
 class Experts(nn.Module):
     """``num_experts`` SiLU MLPs as two stacked weights (transformers' layout: [experts, 2 x moe_intermediate,
-    hidden] for gate and up, [experts, hidden, moe_intermediate] for down). ``kernel``: the CPU kernels'
-    ``moe_experts`` (every expert in one call, ``kernels/csrc/moe_experts.h``), set where the model runs on them;
-    else a loop over the experts in PyTorch (``loop``, also its reference)."""
+    hidden] for gate and up, [experts, hidden, moe_intermediate] for down). ``kernel(rows, counts)``: every expert
+    in one call of the CPU kernels on packed copies of the weights (``engine.models.cpu_packing.pack_expert_weights``
+    sets it for bf16 experts); else a loop over the experts in PyTorch (``loop``, also the kernel's reference)."""
 
-    kernel: Callable | None = None
+    kernel: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -144,8 +144,10 @@ class Experts(nn.Module):
         token = order // k
         rows = x[token]  # [pairs, hidden]
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        run = self.kernel if self.kernel is not None else self.loop
-        out = run(rows, counts, self.gate_up_proj, self.down_proj)
+        if self.kernel is not None:
+            out = self.kernel(rows, counts)
+        else:
+            out = self.loop(rows, counts, self.gate_up_proj, self.down_proj)
         out *= weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, out)
 

@@ -1273,12 +1273,14 @@ int quant_vnni() { return INFLIGHT_QUANT_VNNI; }
 INFLIGHT_SHM_EXPORTS(float, f32)
 INFLIGHT_SHM_EXPORTS(bf16, bf16)
 
-#define INFLIGHT_MOE_EXPORTS(T, SUFFIX)                                                                             \
-    void moe_experts_##SUFFIX(const T* rows, const int64_t* offsets, int64_t num_experts, const T* gate_up,         \
-                              const T* down, T* act, T* out, int64_t hidden, int64_t inter, int num_threads) {      \
-        moe_experts<T>(rows, offsets, num_experts, gate_up, down, act, out, hidden, inter, num_threads);            \
-    }
-INFLIGHT_MOE_EXPORTS(float, f32)
-INFLIGHT_MOE_EXPORTS(bf16, bf16)
+// A MoE layer's experts (moe_experts.h); does nothing without AVX-512 BF16 (bf16_dot_products() says).
+void moe_experts_bf16(const bf16* rows, const int64_t* offsets, int64_t num_experts, const bf16* gate_up,
+                      int64_t gate_up_stride, const bf16* down, int64_t down_stride, bf16* scratch, bf16* act,
+                      bf16* out, int64_t hidden, int64_t inter, int num_threads) {
+#if INFLIGHT_BF16_DOT
+    moe_experts(rows, offsets, num_experts, gate_up, gate_up_stride, down, down_stride, scratch, act, out, hidden,
+                inter, num_threads);
+#endif
+}
 
 }  // extern "C"
