@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks.micro import tensor_parallel
 
+pytestmark = pytest.mark.slow  # (rank processes spawn: ~45 s; make test runs them, make test-fast does not)
+
 
 def test_a_run_measures_both_systems_and_the_cost_of_driving_the_ranks(tmp_path, capsys):
     out = tmp_path / "tp.json"

@@ -20,6 +20,8 @@ import pytest
 from inflight import LLM, SamplingParams
 from inflight.engine.parallel.shm import PeerLost
 
+pytestmark = pytest.mark.slow  # (rank processes spawn: ~45 s; make test runs them, make test-fast does not)
+
 CHECKPOINTS = {
     "llama-uneven": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
                      {"preemption_mode": "recompute"}),
