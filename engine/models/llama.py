@@ -167,7 +167,10 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """Mixture of experts (Mixtral, Qwen3-MoE): a router scores the experts (softmax in float32), each token goes to
     its ``num_experts_per_tok`` best, whose outputs are summed by those probabilities (renormalized to sum 1 where
-    ``norm_topk_prob``)."""
+    ``norm_topk_prob``). ``all_reduce``: set by the tensor-parallel cut (each rank holds part of every expert's
+    width, so its sums are partial, as a row-parallel linear's)."""
+
+    all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -180,7 +183,10 @@ class SparseMoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, weights.to(x.dtype), chosen)
+        out = self.experts(x, weights.to(x.dtype), chosen)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):

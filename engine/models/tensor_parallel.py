@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight.engine.models.config import ModelConfig
+from inflight.engine.models.llama import SparseMoE
 from inflight.engine.parallel.collectives import Collectives
 
 
@@ -43,8 +44,8 @@ def _problems(cfg: ModelConfig, size: int) -> list[str]:
                         f"heads, or a multiple of them that divides each one's query heads)")
     if cfg.intermediate_size < size:
         problems.append(f"intermediate size {cfg.intermediate_size}")
-    if cfg.num_experts and size > 1:
-        problems.append(f"{cfg.num_experts} experts (mixture-of-experts layers are not cut over ranks yet)")
+    if cfg.num_experts and cfg.moe_intermediate_size < size:
+        problems.append(f"experts' intermediate size {cfg.moe_intermediate_size}")
     return problems
 
 
@@ -98,6 +99,8 @@ class Shard:
     first_intermediate: int
     intermediate: int
     vocab_rows: int
+    first_expert_intermediate: int = 0  # each expert's width, cut as the dense MLP's (mixture of experts)
+    expert_intermediate: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, size: int) -> Shard:
@@ -113,7 +116,7 @@ class Shard:
             first_head, first_kv, kv_heads = rank * heads, rank * heads // group, 1
         shares = _mlp_shares(cfg, size)
         return cls(rank, size, first_head, heads, first_kv, kv_heads, sum(shares[:rank]), shares[rank],
-                   -(-cfg.vocab_size // size))
+                   -(-cfg.vocab_size // size), *_share(cfg.moe_intermediate_size, rank, size))
 
 
 class RowParallel(nn.Module):
@@ -194,10 +197,21 @@ def cut_tensors(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
     vocab = slice(shard.rank * shard.vocab_rows, (shard.rank + 1) * shard.vocab_rows)
     rows = {"q_proj": heads, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
     columns = {"o_proj": heads, "down_proj": inter}  # row-parallel: a RowParallel's .linear
+    expert = slice(shard.first_expert_intermediate, shard.first_expert_intermediate + shard.expert_intermediate)
+    width = cfg.moe_intermediate_size
     for name, tensor in tensors:
         module, _, kind = name.rpartition(".")
         part = module.rpartition(".")[2]
-        if part in rows:
+        if ".experts." in name:  # an expert's matrices (gate/up rows, down columns), or all experts' stacked
+            if kind == "gate_up_proj":
+                yield name, torch.cat([tensor[:, expert], tensor[:, width + expert.start:width + expert.stop]], 1)
+            elif kind == "down_proj":
+                yield name, tensor[:, :, expert]
+            elif part in ("down_proj", "w2"):
+                yield name, tensor[:, expert]
+            else:
+                yield name, tensor[expert]
+        elif part in rows:
             yield name, tensor[rows[part]]
         elif part in columns:
             if kind == "weight":
@@ -225,6 +239,17 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return linear
 
 
+def _cut_experts(moe: SparseMoE, s: Shard, comm: Collectives) -> None:
+    experts, width = moe.experts, moe.experts.intermediate_size
+    a, b = s.first_expert_intermediate, s.first_expert_intermediate + s.expert_intermediate
+    gate_up = experts.gate_up_proj
+    experts.gate_up_proj = nn.Parameter(torch.cat([gate_up[:, a:b], gate_up[:, width + a:width + b]], 1),
+                                        requires_grad=False)
+    experts.down_proj = nn.Parameter(experts.down_proj[:, :, a:b].clone(), requires_grad=False)
+    experts.intermediate_size = s.expert_intermediate
+    moe.all_reduce = comm.all_reduce if comm is not None else None
+
+
 @torch.no_grad()
 def shard_model(model: nn.Module, shard: Shard, comm: Collectives) -> nn.Module:
     """Cut a loaded ``CausalLM`` (its full weights) down to ``shard``'s part, in place; returns it. Run before any
@@ -246,6 +271,9 @@ def shard_model(model: nn.Module, shard: Shard, comm: Collectives) -> nn.Module:
                                           o.bias if o.bias is not None and s.rank == 0 else None), comm)
         attn.num_heads, attn.num_kv_heads = s.heads, s.kv_heads
         attn.q_size, attn.kv_size = s.heads * hd, s.kv_heads * hd
+        if isinstance(mlp, SparseMoE):  # each expert cut as the dense MLP: its width's part; the sum all-reduced
+            _cut_experts(mlp, s, comm)
+            continue
         gate_up, width = mlp.gate_up_proj, cfg.intermediate_size
         mlp.gate_up_proj = _linear(_rows(gate_up.weight, [inter, (width + inter[0], width + inter[1])]), None)
         mlp.down_proj = RowParallel(_linear(mlp.down_proj.weight[:, inter[0]:inter[1]].clone(), None), comm)

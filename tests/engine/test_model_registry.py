@@ -51,8 +51,13 @@ def test_rope_on_part_of_each_head_is_refused():
         ModelConfig.from_hf(raw)
 
 
-def test_experts_are_not_cut_over_ranks_yet():
-    from inflight.engine.models.tensor_parallel import check_tensor_parallel_size
+def test_experts_are_cut_over_ranks_as_the_dense_mlp():
+    from inflight.engine.models.tensor_parallel import Shard, check_tensor_parallel_size
 
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 cannot cut the model's 4 experts"):
-        check_tensor_parallel_size(config_of("mixtral"), 2)
+    cfg = config_of("mixtral")
+    check_tensor_parallel_size(cfg, 2)
+    shards = [Shard.of(cfg, rank, 2) for rank in range(2)]
+    assert [(s.first_expert_intermediate, s.expert_intermediate) for s in shards] == [(0, 80), (80, 80)]
+    with pytest.raises(ValueError, match="experts' intermediate size 48"):
+        check_tensor_parallel_size(config_of("qwen3_moe", num_attention_heads=64, num_key_value_heads=64,
+                                             head_dim=1), 64)

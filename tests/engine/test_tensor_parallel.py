@@ -25,6 +25,8 @@ CASES = {
     "qwen3": ("qwen3", {}),
     "qwen2-bias-tied": ("qwen2", {}),
     "llama-uneven": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),
+    "mixtral": ("mixtral", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
 }
 PROMPT = [5, 17, 200, 33, 41, 99, 150, 7, 64, 128, 3, 250]
 NEW_TOKENS = 6
@@ -33,7 +35,8 @@ NEW_TOKENS = 6
 def config_of(arch: str, **overrides):
     from inflight.engine.models.config import ModelConfig
 
-    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
     return ModelConfig.from_hf({**hf_config(arch, **overrides).to_dict(), "architectures": [names[arch]]})
 
 

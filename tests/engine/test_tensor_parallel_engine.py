@@ -1,8 +1,8 @@
 """The engine with ``tensor_parallel_size=2`` (rank 0 here, rank 1 a worker process; engine.parallel) against the
 same engine on one rank: the same greedy tokens, seeded samples and prompt logprobs, through chunked prefill, more
 requests than slots and preemption (recomputed and swapped), on Llama with 3 KV heads dealt unevenly, Llama with
-one KV head (replicated), Qwen3 and Qwen2 (qkv bias, tied embeddings); async scheduling's placeholder tokens and
-speculative decoding's verification too. A token may differ only where the one-rank model's two best candidates are
+one KV head (replicated), Qwen3, Qwen2 (qkv bias, tied embeddings) and Qwen3-MoE (each expert cut as the MLP);
+async scheduling's placeholder tokens and speculative decoding's verification too. A token may differ only where the one-rank model's two best candidates are
 a near-tie (the ranks sum in another order), which ``assert_same_tokens`` checks from the logprobs. And the ranks'
 life: a size the model does not allow is refused before any process starts, a rank that dies fails the next step
 with ``PeerLost``, and closing leaves no process and no shared memory behind."""
@@ -29,6 +29,7 @@ CHECKPOINTS = {
                           {"preemption_mode": "swap", "swap_space_bytes": 1 << 20}),
     "qwen3": ("qwen3", {}, {"preemption_mode": "swap", "swap_space_bytes": 1 << 20}),
     "qwen2-bias-tied": ("qwen2", {}, {"preemption_mode": "recompute"}),
+    "qwen3-moe": ("qwen3_moe", {}, {"preemption_mode": "swap", "swap_space_bytes": 1 << 20}),  # experts cut too
 }
 # Small on purpose: 4 slots for 8 requests, chunks of 16 tokens for prompts up to 40, and 30 blocks of 4 tokens for
 # requests that grow to ~60 tokens each: chunked prefill, queueing and preemption in one run.
