@@ -185,32 +185,61 @@ class VocabParallelHead(nn.Module):
         return best[rank, torch.arange(best.shape[1]), 1].long()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ranges:
+    """A shard's slices of the model's dimensions: both cuts (``shard_model``, ``cut_tensors``) take them from here."""
+
+    heads: slice  # of the query rows (head_dim each)
+    kv: slice  # of the key (or value) rows
+    inter: slice  # of the dense MLP's width
+    expert: slice  # of each expert's width
+    vocab: slice  # of the padded vocabulary
+
+
+def _ranges(cfg: ModelConfig, s: Shard) -> _Ranges:
+    hd = cfg.head_dim
+    return _Ranges(slice(s.first_head * hd, (s.first_head + s.heads) * hd),
+                   slice(s.first_kv_head * hd, (s.first_kv_head + s.kv_heads) * hd),
+                   slice(s.first_intermediate, s.first_intermediate + s.intermediate),
+                   slice(s.first_expert_intermediate, s.first_expert_intermediate + s.expert_intermediate),
+                   slice(s.rank * s.vocab_rows, (s.rank + 1) * s.vocab_rows))
+
+
+def _shifted(part: slice, by: int) -> slice:
+    return slice(part.start + by, part.stop + by)
+
+
+def _halves(t: torch.Tensor, part: slice, width: int, dim: int) -> torch.Tensor:
+    """``part`` of both halves (gate and up, ``width`` each) of ``t`` along ``dim``, side by side (a new tensor)."""
+    return torch.cat([t.narrow(dim, part.start, part.stop - part.start),
+                      t.narrow(dim, width + part.start, part.stop - part.start)], dim)
+
+
+def _vocab_part(weight: torch.Tensor, cfg: ModelConfig, s: Shard) -> torch.Tensor:
+    """The shard's rows of an embedding or LM head, the vocabulary padded to ``size`` x ``vocab_rows`` (zeros)."""
+    return F.pad(weight, (0, 0, 0, s.vocab_rows * s.size - cfg.vocab_size))[_ranges(cfg, s).vocab].clone()
+
+
 def cut_tensors(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
                 shard: Shard) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's tensors (Hugging Face names, as the loader reads them, one at a time) cut to ``shard``'s part,
     named as ``shard_model``'s modules hold them: what the loader places into a model cut before it was allocated.
     The same cut as ``shard_model``'s on a whole model (tests/engine/test_tensor_parallel.py holds them equal)."""
-    hd = cfg.head_dim
-    heads = slice(shard.first_head * hd, (shard.first_head + shard.heads) * hd)
-    kv = slice(shard.first_kv_head * hd, (shard.first_kv_head + shard.kv_heads) * hd)
-    inter = slice(shard.first_intermediate, shard.first_intermediate + shard.intermediate)
-    vocab = slice(shard.rank * shard.vocab_rows, (shard.rank + 1) * shard.vocab_rows)
-    rows = {"q_proj": heads, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
-    columns = {"o_proj": heads, "down_proj": inter}  # row-parallel: a RowParallel's .linear
-    expert = slice(shard.first_expert_intermediate, shard.first_expert_intermediate + shard.expert_intermediate)
-    width = cfg.moe_intermediate_size
+    r = _ranges(cfg, shard)
+    rows = {"q_proj": r.heads, "k_proj": r.kv, "v_proj": r.kv, "gate_proj": r.inter, "up_proj": r.inter}
+    columns = {"o_proj": r.heads, "down_proj": r.inter}  # row-parallel: a RowParallel's .linear
     for name, tensor in tensors:
         module, _, kind = name.rpartition(".")
         part = module.rpartition(".")[2]
         if ".experts." in name:  # an expert's matrices (gate/up rows, down columns), or all experts' stacked
             if kind == "gate_up_proj":
-                yield name, torch.cat([tensor[:, expert], tensor[:, width + expert.start:width + expert.stop]], 1)
+                yield name, _halves(tensor, r.expert, cfg.moe_intermediate_size, dim=1)
             elif kind == "down_proj":
-                yield name, tensor[:, :, expert]
+                yield name, tensor[:, :, r.expert]
             elif part in ("down_proj", "w2"):
-                yield name, tensor[:, expert]
+                yield name, tensor[:, r.expert]
             else:
-                yield name, tensor[expert]
+                yield name, tensor[r.expert]
         elif part in rows:
             yield name, tensor[rows[part]]
         elif part in columns:
@@ -221,14 +250,9 @@ def cut_tensors(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
         elif part in ("embed_tokens", "lm_head"):
             if part == "lm_head" and cfg.tie_word_embeddings:
                 continue
-            padded = F.pad(tensor, (0, 0, 0, shard.vocab_rows * shard.size - cfg.vocab_size))[vocab]
-            yield (name if part == "embed_tokens" else "lm_head.linear.weight"), padded
+            yield (name if part == "embed_tokens" else "lm_head.linear.weight"), _vocab_part(tensor, cfg, shard)
         else:
             yield name, tensor
-
-
-def _rows(t: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    return torch.cat([t[a:b] for a, b in ranges])  # (a new tensor: the full weight can go)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -239,13 +263,11 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return linear
 
 
-def _cut_experts(moe: SparseMoE, s: Shard, comm: Collectives) -> None:
-    experts, width = moe.experts, moe.experts.intermediate_size
-    a, b = s.first_expert_intermediate, s.first_expert_intermediate + s.expert_intermediate
-    gate_up = experts.gate_up_proj
-    experts.gate_up_proj = nn.Parameter(torch.cat([gate_up[:, a:b], gate_up[:, width + a:width + b]], 1),
+def _cut_experts(moe: SparseMoE, s: Shard, expert: slice, comm: Collectives) -> None:
+    experts = moe.experts
+    experts.gate_up_proj = nn.Parameter(_halves(experts.gate_up_proj, expert, experts.intermediate_size, dim=1),
                                         requires_grad=False)
-    experts.down_proj = nn.Parameter(experts.down_proj[:, :, a:b].clone(), requires_grad=False)
+    experts.down_proj = nn.Parameter(experts.down_proj[:, :, expert].clone(), requires_grad=False)
     experts.intermediate_size = s.expert_intermediate
     moe.all_reduce = comm.all_reduce if comm is not None else None
 
@@ -254,38 +276,28 @@ def _cut_experts(moe: SparseMoE, s: Shard, comm: Collectives) -> None:
 def shard_model(model: nn.Module, shard: Shard, comm: Collectives) -> nn.Module:
     """Cut a loaded ``CausalLM`` (its full weights) down to ``shard``'s part, in place; returns it. Run before any
     CPU packing (``cpu_packing`` then packs the cut linears)."""
-    cfg = model.config
-    hd, s = cfg.head_dim, shard
-    q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    q = (s.first_head * hd, (s.first_head + s.heads) * hd)
-    k = (q_size + s.first_kv_head * hd, q_size + (s.first_kv_head + s.kv_heads) * hd)
-    v = (k[0] + kv_size, k[1] + kv_size)
-    inter = (s.first_intermediate, s.first_intermediate + s.intermediate)
+    cfg, s = model.config, shard
+    r = _ranges(cfg, s)
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv_rows = [r.heads, _shifted(r.kv, q_size), _shifted(r.kv, q_size + kv_size)]  # (a new tensor: the whole can go)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = attn.qkv_proj
-        attn.qkv_proj = _linear(_rows(qkv.weight, [q, k, v]),
-                                _rows(qkv.bias, [q, k, v]) if qkv.bias is not None else None)
+        attn.qkv_proj = _linear(torch.cat([qkv.weight[rows] for rows in qkv_rows]),
+                                torch.cat([qkv.bias[rows] for rows in qkv_rows]) if qkv.bias is not None else None)
         o = attn.o_proj
-        attn.o_proj = RowParallel(_linear(o.weight[:, q[0]:q[1]].clone(),
+        attn.o_proj = RowParallel(_linear(o.weight[:, r.heads].clone(),
                                           o.bias if o.bias is not None and s.rank == 0 else None), comm)
         attn.num_heads, attn.num_kv_heads = s.heads, s.kv_heads
-        attn.q_size, attn.kv_size = s.heads * hd, s.kv_heads * hd
+        attn.q_size, attn.kv_size = s.heads * cfg.head_dim, s.kv_heads * cfg.head_dim
         if isinstance(mlp, SparseMoE):  # each expert cut as the dense MLP: its width's part; the sum all-reduced
-            _cut_experts(mlp, s, comm)
+            _cut_experts(mlp, s, r.expert, comm)
             continue
-        gate_up, width = mlp.gate_up_proj, cfg.intermediate_size
-        mlp.gate_up_proj = _linear(_rows(gate_up.weight, [inter, (width + inter[0], width + inter[1])]), None)
-        mlp.down_proj = RowParallel(_linear(mlp.down_proj.weight[:, inter[0]:inter[1]].clone(), None), comm)
+        mlp.gate_up_proj = _linear(_halves(mlp.gate_up_proj.weight, r.inter, cfg.intermediate_size, dim=0), None)
+        mlp.down_proj = RowParallel(_linear(mlp.down_proj.weight[:, r.inter].clone(), None), comm)
         mlp.intermediate_size = s.intermediate
-    start = s.rank * s.vocab_rows
-    padded = F.pad(model.model.embed_tokens.weight, (0, 0, 0, s.vocab_rows * s.size - cfg.vocab_size))
-    embedding = VocabParallelEmbedding(padded[start:start + s.vocab_rows].clone(), start, comm)
+    embedding = VocabParallelEmbedding(_vocab_part(model.model.embed_tokens.weight, cfg, s), r.vocab.start, comm)
     model.model.embed_tokens = embedding
-    if cfg.tie_word_embeddings:
-        head_rows = embedding.weight
-    else:
-        head_rows = F.pad(model.lm_head.weight, (0, 0, 0, s.vocab_rows * s.size - cfg.vocab_size))
-        head_rows = head_rows[start:start + s.vocab_rows].clone()
+    head_rows = embedding.weight if cfg.tie_word_embeddings else _vocab_part(model.lm_head.weight, cfg, s)
     model.lm_head = VocabParallelHead(head_rows, cfg.vocab_size, comm)  # (tied: the embedding's own rows)
     return model
