@@ -158,38 +158,12 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
         if "rotary_emb" in hf_name:
             continue
         hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # (Mixtral's name for its experts' block)
-        expert = _EXPERT.match(hf_name)
-        if expert is not None:  # one expert's matrix, into its slot of the stacked weights
-            prefix, index, part = expert.groups()
-            stacked, half = _EXPERT_PARTS[part]
-            name = f"{prefix}.mlp.experts.{stacked}"
-            if name not in params or int(index) >= params[name].shape[0]:
-                raise ValueError(f"model: unexpected weight {hf_name!r} in {where}")
-            target = params[name].data[int(index)]
-            if half is not None:
-                rows = target.shape[0] // 2
-                target = target[half * rows:(half + 1) * rows]
-            if tensor.shape != target.shape:
-                raise ValueError(f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
-            target.copy_(tensor if not isinstance(tensor, QuantValues) else tensor.dequantize())
-            missing.discard(name)
-            continue
-        name, fused, shard = hf_name, None, 0
-        for hf_part, (our_part, index) in _FUSED.items():
-            if f".{hf_part}." in hf_name:
-                name, fused, shard = hf_name.replace(hf_part, our_part), our_part, index
-                break
-        if name not in params:
-            raise ValueError(f"model: unexpected weight {hf_name!r} in {where}")
-        target = params[name].data
-        if fused is not None:
-            sizes = split_sizes[fused]
-            start = sum(sizes[:shard])
-            target = target[start:start + sizes[shard]]
+        name, fused, shard, target = _target(params, hf_name, split_sizes, where)
         if tensor.shape != target.shape:
             raise ValueError(f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(target.shape)}")
+        if isinstance(tensor, QuantValues) and ".experts." in name:  # (stacked experts have no quantized layout)
+            tensor = tensor.dequantize()
         if isinstance(tensor, QuantValues):
             parts = pending.setdefault(name, (fused, {}))[1]
             parts[shard] = tensor
@@ -208,6 +182,38 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"model: weights missing from checkpoint: {', '.join(sorted(missing)[:8])}")
+
+
+def _target(params: dict[str, torch.Tensor], hf_name: str, split_sizes: dict[str, list[int]],
+            where: str) -> tuple[str, str | None, int, torch.Tensor]:
+    """Where a checkpoint tensor goes: (our parameter's name, the fused linear it is part of or None, its part's
+    index, the part of the parameter it fills). One expert's matrix fills its slot of the stacked weights (its half of
+    gate/up); q/k/v and gate/up their rows of the fused linear."""
+    expert = _EXPERT.match(hf_name)
+    if expert is not None:
+        prefix, index, part = expert.groups()
+        stacked, half = _EXPERT_PARTS[part]
+        name = f"{prefix}.mlp.experts.{stacked}"
+        if name not in params or int(index) >= params[name].shape[0]:
+            raise ValueError(f"model: unexpected weight {hf_name!r} in {where}")
+        target = params[name].data[int(index)]
+        if half is not None:
+            rows = target.shape[0] // 2
+            target = target[half * rows:(half + 1) * rows]
+        return name, None, 0, target
+    name, fused, shard = hf_name, None, 0
+    for hf_part, (our_part, index) in _FUSED.items():
+        if f".{hf_part}." in hf_name:
+            name, fused, shard = hf_name.replace(hf_part, our_part), our_part, index
+            break
+    if name not in params:
+        raise ValueError(f"model: unexpected weight {hf_name!r} in {where}")
+    target = params[name].data
+    if fused is not None:
+        sizes = split_sizes[fused]
+        start = sum(sizes[:shard])
+        target = target[start:start + sizes[shard]]
+    return name, fused, shard, target
 
 
 def _place_quantized(model: CausalLM, name: str, parts: list[QuantValues], param: torch.Tensor) -> None:
