@@ -39,6 +39,9 @@ class AttentionBackend:
     name = "base"
     block_size_multiple = 1  # the engine rounds its block_size up to a multiple of this
     block_dim = 0  # which dimension of ``kv_cache_shape`` indexes blocks (for copying blocks in and out)
+    # Whether ``forward`` and ``prompt_attention`` take ``window`` (a sliding-window layer attends to its last
+    # ``window`` positions, its own included) and ``softcap`` (scores -> cap * tanh(score / cap)): Gemma, Mistral.
+    windows_and_softcap = False
 
     def elementwise_ops(self) -> Any:
         """A module of fused kernels for the per-token work between the matmuls (``rms_norm`` with the
@@ -46,12 +49,12 @@ class AttentionBackend:
         model's PyTorch code, which is also their reference."""
         return None
 
-    def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+    def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
+                         window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """One prompt with nothing before it attending to itself, causally (query [tokens, heads, head_dim], key
         and value [tokens, kv_heads, head_dim]): the prefill lane's attention, per prompt. SDPA unless the
         backend has a faster kernel."""
-        return sdpa_prompt_attention(query, key, value, scale)
+        return sdpa_prompt_attention(query, key, value, scale, window=window, softcap=softcap)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The layout of one layer's K (or V) cache; each backend picks what its kernels read fastest."""
@@ -67,7 +70,8 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, metadata: Any, scale: float, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """Attend ``query`` [num_tokens, num_heads, head_dim] to the cache; returns the same shape.
 
         ``key``/``value`` are this step's new K/V (already stored): a backend may read a fresh prefill's
@@ -79,11 +83,16 @@ class AttentionBackend:
 BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")
 
 
-def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """``auto``: flash-attn when it is importable on CUDA, then Triton on CUDA; on a CPU in float32 or bfloat16
-    the compiled CPU kernels when they build here; else the torch reference."""
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                         windows_or_softcap: bool = False) -> str:
+    """``auto``: flash-attn when it is importable on CUDA, then Triton on CUDA (not for a model with sliding windows
+    or soft-capped scores: its kernels have neither); on a CPU in float32 or bfloat16 the compiled CPU kernels when
+    they build here; else the torch reference."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "triton" and windows_or_softcap:
+        raise ValueError("attention_backend 'triton' has no sliding-window or soft-capped attention, which this "
+                         "model uses; use 'flash_attn', 'torch' or 'auto'")
     if name != "auto":
         return name
     if device.type != "cuda":
@@ -99,11 +108,14 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
         import triton  # noqa: F401
     except ImportError:
         return "torch"
-    return "triton"
+    return "torch" if windows_or_softcap else "triton"
 
 
-def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    name = resolve_backend_name(name, device, dtype)
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                          windows_or_softcap: bool = False) -> AttentionBackend:
+    """The backend ``name`` picks (``resolve_backend_name``); ``windows_or_softcap``: the model has sliding-window
+    layers or soft-capped attention scores, which only some backends attend (``windows_and_softcap``)."""
+    name = resolve_backend_name(name, device, dtype, windows_or_softcap)
     if name == "flash_attn":
         from inflight.kernels.flash_attn_backend import FlashAttnPagedAttention, flash_attn_available
 

@@ -10,7 +10,8 @@ in multiples of 16, torch's path otherwise). Storing K/V and the model's norms, 
 single-pass kernels (``elementwise_ops``).
 
 The PyTorch decode reads masked slots (weighted by zero), so its ``store_kv`` keeps the cache finite;
-nothing here reads a slot past a row's length, so the kernels store K/V as they are.
+nothing here reads a slot past a row's length, so the kernels store K/V as they are. The kernels have no sliding
+window or soft-capping: a layer with either (Gemma's, Mistral's) attends through the PyTorch paths.
 """
 
 from __future__ import annotations
@@ -27,21 +28,18 @@ class CpuPagedAttention(TorchPagedAttention):
     def elementwise_ops(self):
         return cpu_kernels
 
-    def _prepare_decode(self, metadata: TorchAttentionMetadata, block_size: int) -> None:
-        pass  # the kernel reads the decode rows' tables and lengths as they are: no split-KV chunks
-
     def store_kv(self, key, value, k_cache, v_cache, metadata: TorchAttentionMetadata) -> None:
         cpu_kernels.store_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
 
-    def prompt_attention(self, query, key, value, scale: float) -> torch.Tensor:
-        if not cpu_kernels.causal_attention_supports(query.shape[-1]):
-            return super().prompt_attention(query, key, value, scale)
+    def prompt_attention(self, query, key, value, scale: float, *, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
+        if window is not None or softcap is not None or not cpu_kernels.causal_attention_supports(query.shape[-1]):
+            return super().prompt_attention(query, key, value, scale, window=window, softcap=softcap)
         return cpu_kernels.causal_attention(query, key, value, scale)
 
-    def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        if not cpu_kernels.decode_attention_supports(query.shape[-1]):  # torch's split-KV decode, chunks made once
-            if metadata.decode_blocks is None:
-                super()._prepare_decode(metadata, k_cache.shape[2])
-            return super()._decode(query, k_cache, v_cache, metadata, scale)
+    def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        if window is not None or softcap is not None or not cpu_kernels.decode_attention_supports(query.shape[-1]):
+            return super()._decode(query, k_cache, v_cache, metadata, scale, window, softcap)  # torch's split-KV
         return cpu_kernels.paged_decode_attention(query, k_cache, v_cache, metadata.decode_tables,
                                                   metadata.decode_seq_lens, scale)

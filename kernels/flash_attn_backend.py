@@ -44,6 +44,7 @@ class FlashAttnMetadata:
 
 class FlashAttnPagedAttention(TritonPagedAttention):
     name = "flash_attn"
+    windows_and_softcap = True  # (flash-attn >= 2.6 takes both)
     block_size_multiple = BLOCK_SIZE_MULTIPLE
 
     def __init__(self) -> None:
@@ -71,10 +72,13 @@ class FlashAttnPagedAttention(TritonPagedAttention):
         return cache.stride(0), cache.stride(2), cache.stride(1)
 
     def forward(self, query, key, value, k_cache, v_cache, metadata: FlashAttnMetadata, scale: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        # flash-attn's window counts keys before the query (window - 1 of ours) and after it (none, causal)
         result = self._varlen(query, k_cache, v_cache, metadata.cu_seqlens_q, metadata.cu_seqlens_k,
                               metadata.max_query_len, metadata.max_seq_len, softmax_scale=scale, causal=True,
-                              block_table=metadata.block_tables)
+                              window_size=(window - 1, 0) if window is not None else (-1, -1),
+                              softcap=softcap or 0.0, block_table=metadata.block_tables)
         if out is not None:
             out.copy_(result)
             return out

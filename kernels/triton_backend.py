@@ -205,8 +205,12 @@ class TritonPagedAttention(AttentionBackend):
             HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim))
 
     def forward(self, query, key, value, k_cache, v_cache, metadata: TritonAttentionMetadata,
-                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``out``: where to write (tests hand in a poisoned buffer); a fresh tensor by default."""
+                scale: float, out: torch.Tensor | None = None, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """``out``: where to write (tests hand in a poisoned buffer); a fresh tensor by default. No window or
+        soft-capping (``get_attention_backend`` picks another backend for a model with them)."""
+        if window is not None or softcap is not None:
+            raise ValueError("attention_backend 'triton' has no sliding-window or soft-capped attention")
         _check_last_dim(query, k_cache)
         if query.dtype == torch.bfloat16 and query.device.type == "cpu":
             # numpy has no bfloat16, and the interpreter's tl.dot reads bf16 bits as garbage.

@@ -31,20 +31,28 @@ def batch_rows(kind: str, bs: int) -> list[tuple[int, int]]:
     return [decodes[1], fresh[0], chunked[0], decodes[0], chunked[1], decodes[3], fresh[1], decodes[2], chunked[2]]
 
 
-def naive_attention(q, k, v, positions, scale):
-    """q [q_len, H, D] at absolute ``positions``; k, v [seq_len, KVH, D]; float64 dense causal attention."""
+def naive_attention(q, k, v, positions, scale, window=None, softcap=None):
+    """q [q_len, H, D] at absolute ``positions``; k, v [seq_len, KVH, D]; float64 dense causal attention, as
+    transformers computes it: scores soft-capped (``cap * tanh(score / cap)``), then masked; a ``window`` shows each
+    query only keys less than ``window`` positions before it."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    visible = torch.arange(k.shape[0])[None, :] <= positions[:, None]  # [q_len, seq_len]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    keys = torch.arange(k.shape[0])[None, :]
+    visible = keys <= positions[:, None]  # [q_len, seq_len]
+    if window is not None:
+        visible &= keys > positions[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
 def run_case(backend, rows, num_kv_heads, head_dim, bs, fill, seed=0, num_heads=NUM_HEADS, dtype=torch.float32,
-             device="cpu", out_fill=None):
+             device="cpu", out_fill=None, window=None, softcap=None):
     """Build caches filled with ``fill`` (a float, or 'garbage'), run the backend; return (out, reference).
+    ``window``, ``softcap``: the layer's sliding window and score cap, passed when set.
 
     ``out_fill``: hand ``forward`` an output buffer poisoned with this value (backends that take one),
     so an element the kernel forgets to write shows up."""
@@ -101,13 +109,14 @@ def run_case(backend, rows, num_kv_heads, head_dim, bs, fill, seed=0, num_heads=
     scale = head_dim ** -0.5
     metadata = backend.prepare(layout)
     backend.store_kv(on(key), on(value), k_cache, v_cache, metadata)
-    kwargs = {}
+    kwargs = {name: value for name, value in (("window", window), ("softcap", softcap)) if value is not None}
     if out_fill is not None:
         kwargs["out"] = torch.full(query.shape, out_fill, dtype=dtype, device=device)
     out = backend.forward(on(query), on(key), on(value), k_cache, v_cache, metadata, scale, **kwargs)
 
     refs, start = [], 0
     for r, (q, s) in enumerate(rows):
-        refs.append(naive_attention(query[start:start + q], full_k[r], full_v[r], torch.arange(s - q, s), scale))
+        refs.append(naive_attention(query[start:start + q], full_k[r], full_v[r], torch.arange(s - q, s), scale,
+                                    window, softcap))
         start += q
     return out.cpu(), torch.cat(refs)

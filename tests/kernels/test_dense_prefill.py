@@ -36,6 +36,23 @@ def test_each_prompt_attends_causally_to_itself_only(gqa, lengths, attend):
         start += length
 
 
+@pytest.mark.parametrize("attend", attentions())
+@pytest.mark.parametrize("window,softcap", [(1, None), (6, None), (None, 2.0), (6, 2.0)])
+def test_sliding_window_and_soft_capped_prompts(window, softcap, attend):
+    """A prefill-lane batch of a Gemma or Mistral layer: each query sees its last ``window`` keys, scores capped."""
+    gen = torch.Generator().manual_seed(window or 7)
+    lengths, head_dim = [5, 300, 2], 32  # 300: more than one tile of query rows
+    q = torch.randn(sum(lengths), NUM_HEADS, head_dim, generator=gen)
+    k, v = (torch.randn(sum(lengths), NUM_HEADS // 2, head_dim, generator=gen) for _ in range(2))
+    out = dense_prefill_attention(q, k, v, DensePrefillMetadata(lengths), 0.5, attend, window=window, softcap=softcap)
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        want = naive_attention(q[rows], k[rows], v[rows], torch.arange(length), 0.5, window, softcap)
+        torch.testing.assert_close(out[rows].double(), want, atol=1e-5, rtol=1e-4)
+        start += length
+
+
 def test_prompts_do_not_see_each_other():
     """Changing one prompt's keys leaves the other prompts' outputs exactly as they were."""
     gen = torch.Generator().manual_seed(0)

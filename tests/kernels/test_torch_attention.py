@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.kernels import BatchLayout
+from inflight.kernels import BatchLayout, get_attention_backend
 from inflight.kernels.torch_ref import TorchPagedAttention
 from tests.kernels.cases import NUM_HEADS, batch_rows, naive_attention, run_case
 
@@ -19,6 +19,31 @@ def test_paged_attention_matches_dense(gqa, head_dim, bs, kind):
     out, ref = run_case(TorchPagedAttention(), rows, NUM_HEADS // gqa, head_dim, bs, fill="garbage", seed=gqa * 1000 + head_dim + bs)
     assert out.shape == ref.shape == (sum(q for q, _ in rows), NUM_HEADS, head_dim)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("window,softcap", [(1, None), (3, None), (5, None), (9, None), (None, 1.5), (3, 1.5)])
+@pytest.mark.parametrize("kind", ["mixed", "decode", "prefill"])
+def test_sliding_window_and_soft_capped_attention_match_dense(kind, window, softcap, backend):
+    """Gemma's and Mistral's attention: windows shorter than a block, across one and two blocks (blocks of 4), with
+    and without soft-capped scores; garbage in every slot a row does not see. The CPU backend routes such layers
+    to the PyTorch paths (its kernels have neither)."""
+    attention = TorchPagedAttention() if backend == "torch" else get_attention_backend("cpu", torch.device("cpu"))
+    rows = batch_rows(kind, 4) + [(1, 23), (6, 29)]  # contexts several windows long
+    out, ref = run_case(attention, rows, NUM_HEADS // 2, 32, 4, fill="garbage", seed=window or 0,
+                        window=window, softcap=softcap)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_the_reference_window_and_cap_change_the_result():
+    """The oracle's window and cap are sharp: each changes a long row's output."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(6, 4, 16, generator=gen), torch.randn(20, 4, 16, generator=gen) * 3, torch.randn(20, 4, 16, generator=gen)
+    positions = torch.arange(14, 20)
+    plain = naive_attention(q, k, v, positions, 0.5)
+    assert not torch.allclose(plain, naive_attention(q, k, v, positions, 0.5, window=4))
+    assert not torch.allclose(plain, naive_attention(q, k, v, positions, 0.5, softcap=1.0))
+    torch.testing.assert_close(plain, naive_attention(q, k, v, positions, 0.5, window=20))
 
 
 @pytest.mark.parametrize("kind", ["mixed", "decode", "prefill"])
