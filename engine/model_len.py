@@ -8,8 +8,6 @@ from inflight.engine.models.config import ModelConfig
 def model_limit(model: ModelConfig, wanted: int | None) -> int:
     """``wanted`` (None: the model's own limit), checked against the model's positions."""
     limit = model.max_position_embeddings
-    if model.sliding_window is not None:
-        limit = min(limit, model.sliding_window)  # no sliding-window attention: stay inside the window
     if wanted is None:
         return limit
     if wanted > limit:

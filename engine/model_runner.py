@@ -124,7 +124,8 @@ class ModelRunner:
             if config.one_thread_max_tokens > 0:
                 self._all = torch.get_num_threads()
                 self._threads = (None, self._all)
-        self.backend = get_attention_backend(config.attention_backend, self.device, self.dtype)
+        variants = bool(source.config.sliding_layers or source.config.attention_softcap)
+        self.backend = get_attention_backend(config.attention_backend, self.device, self.dtype, variants)
         multiple = self.backend.block_size_multiple
         if config.block_size % multiple:
             # e.g. flash-attn's paged KV wants blocks of 256 tokens; the engine reads the adjusted config back

@@ -12,7 +12,8 @@ from inflight.engine.models.demo_tiny import CHAT_TEMPLATE, build_tokenizer
 VOCAB_SIZE = 263  # demo-tiny's byte-level tokenizer
 EOS_ID = 2
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral", "gemma2", "gemma3")
+SLIDING_WINDOW = 8  # Mistral's, Qwen2's and Gemma's: the tests' prompts are longer
 
 
 def hf_config(arch: str, **overrides):
@@ -27,10 +28,11 @@ def hf_config(arch: str, **overrides):
         cls = transformers.LlamaConfig
     elif arch == "mistral":
         cls = transformers.MistralConfig
-        common.update(sliding_window=None)
+        common.update(sliding_window=SLIDING_WINDOW)  # every layer slides
     elif arch == "qwen2":
         cls = transformers.Qwen2Config
-        common.update(tie_word_embeddings=True)
+        common.update(tie_word_embeddings=True, use_sliding_window=True, sliding_window=SLIDING_WINDOW,
+                      max_window_layers=1)  # layer 1 slides
     elif arch == "qwen3":
         cls = transformers.Qwen3Config
         common.update(head_dim=32)  # Qwen3 sets head_dim apart from hidden / heads
@@ -44,6 +46,17 @@ def hf_config(arch: str, **overrides):
     elif arch == "mixtral":  # 4 experts, 2 a token, in every layer
         cls = transformers.MixtralConfig
         common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    # Gemma: untied (a tied head on x sqrt(hidden) embeddings of random weights predicts the last token forever)
+    elif arch == "gemma2":  # layer 0 slides over 8 positions, layer 1 sees all; scores and logits soft-capped
+        cls = transformers.Gemma2Config
+        common.update(head_dim=32, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=False,
+                      attn_logit_softcapping=10.0, final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh")
+    elif arch == "gemma3":  # sliding and full layers rotate by different RoPEs (the full ones' linearly scaled)
+        cls = transformers.Gemma3TextConfig
+        common.update(head_dim=32, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=False,
+                      layer_types=["sliding_attention", "full_attention"],
+                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     else:
         raise ValueError(arch)
     common.update(overrides)

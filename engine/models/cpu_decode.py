@@ -10,7 +10,7 @@ call.
 ``FusedDecode.for_model`` gives one when the whole layer stack is those kernels: a CPU model in bfloat16 under a
 float32 residual stream (``CausalLM.residual_dtype``), kernels built with AVX-512 BF16, the CPU attention backend
 with its decode kernel for the head size, every linear packed for ``linear_pairs`` (``cpu_packing``) or kept
-quantized (``engine.models.quantized``), and no q/k norms (Qwen3's). ``CausalLM.forward`` takes it for a step whose rows are all one token
+quantized (``engine.models.quantized``), and no q/k norms (Qwen3's), experts, Gemma layers or sliding windows. ``CausalLM.forward`` takes it for a step whose rows are all one token
 (``TorchAttentionMetadata.all_decode``) and keeps the layer-by-layer path for everything else.
 """
 
@@ -66,8 +66,8 @@ class FusedDecode:
             return None
         if model.model.norm.weight.dtype is not torch.bfloat16 or model.residual_dtype is not torch.float32:
             return None
-        if cfg.qk_norm or cfg.num_experts or cfg.num_heads % cfg.num_kv_heads:
-            return None
+        if cfg.qk_norm or cfg.num_experts or cfg.num_heads % cfg.num_kv_heads or cfg.gemma or cfg.sliding_layers:
+            return None  # (q/k norms, experts, Gemma's layers and sliding windows are not among its kernels)
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if not all(_linear_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):

@@ -1,5 +1,7 @@
-"""One decoder for the Llama family: Llama (llama3 RoPE), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), Phi-3, and their
-mixture-of-experts kin, Mixtral and Qwen3-MoE (routed experts in place of the MLP: ``SparseMoE``).
+"""One decoder for the Llama family: Llama (llama3 RoPE), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), Phi-3, their
+mixture-of-experts kin, Mixtral and Qwen3-MoE (routed experts in place of the MLP: ``SparseMoE``), and Gemma 2 and 3
+(``GemmaRMSNorm``, four norms a layer, GELU-tanh, scaled embeddings, soft-capped scores and logits). A layer's
+attention may slide (``ModelConfig.window``): the backend then attends each query to its last ``window`` positions.
 
 The model works on a flat batch: ``[num_tokens]`` ids from many requests at once, with their
 positions; attention reads and writes the paged cache through the backend, using the step's
@@ -57,17 +59,42 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's norm: in float32, scaled by ``1 + weight`` (its files store the offset from one), then cast back
+    (transformers' arithmetic); with ``residual``, the sum kept in the stream's dtype, as ``RMSNorm``'s."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x, x.dtype)
+        total = x + residual
+        return self._norm(total, x.dtype), total
+
+    def _norm(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(dtype)
+
+
+def norm_class(cfg: ModelConfig):
+    return GemmaRMSNorm if cfg.gemma else RMSNorm
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.q_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        self.window, self.softcap = cfg.window(index), cfg.attention_softcap
+        self.local_rope = cfg.sliding_rope is not None and self.window is not None  # rotates by sliding_rope
         self.backend = backend
         ops = fused_ops(backend)
         self.rope = ops.apply_rope if ops is not None else apply_rope
@@ -93,11 +120,13 @@ class Attention(nn.Module):
         qk = self.rope(qk, *rope)  # q and k heads rotated in one pass
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         if kv_cache is None:  # a prefill-only lane batch: whole prompts whose K/V nobody reads again
-            out = dense_prefill_attention(q, k, v, metadata, self.scale, self.backend.prompt_attention)
+            out = dense_prefill_attention(q, k, v, metadata, self.scale, self.backend.prompt_attention,
+                                          window=self.window, softcap=self.softcap)
         else:
             k_cache, v_cache = kv_cache
             self.backend.store_kv(k, v, k_cache, v_cache, metadata)
-            out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
+            out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale, window=self.window,
+                                       softcap=self.softcap)
         out = out.reshape(num_tokens, self.q_size)
         if num_tokens != rows:
             out = F.pad(out, (0, 0, 0, rows - num_tokens))
@@ -110,14 +139,15 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.ops = ops
+        self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.ops = None if self.gelu else ops  # (the fused kernel is SiLU's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
             return self.down_proj(self.ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class Experts(nn.Module):
@@ -193,22 +223,32 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         ops = fused_ops(backend)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        if cfg.gemma:  # Gemma also norms each sublayer's output before it joins the stream
+            self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, backend, index)
         self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg, ops)
+        self.sandwich = cfg.gemma
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache | None,
-                metadata: Any, num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ropes: dict[bool, Rope],
+                kv_cache: KVCache | None, metadata: Any, num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): each residual add is fused into the
-        norm that follows it; the caller adds the last one."""
+        norm that follows it; the caller adds the last one. ``ropes``: the step's tables, by ``local_rope``."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, metadata, num_tokens)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.self_attn(h, ropes[self.self_attn.local_rope], kv_cache, metadata, num_tokens)
+        if not self.sandwich:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class DecoderModel(nn.Module):
@@ -219,7 +259,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, index) for index in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops(backend))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.gemma else \
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops(backend))
 
 
 class CausalLM(nn.Module):
@@ -241,6 +282,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions, *cfg.sliding_rope) \
+            if cfg.sliding_rope is not None else None
         self.model = DecoderModel(cfg, backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -261,14 +304,17 @@ class CausalLM(nn.Module):
         if rows != num_tokens:  # padding rows (token 0), dropped below; attention and RoPE see only real tokens
             input_ids = F.pad(input_ids, (0, rows - num_tokens))
         x = self.model.embed_tokens(input_ids)  # [rows, hidden]
+        if self.config.gemma:  # (the scale rounded to the weights' dtype first, as transformers does)
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rotary.tables(positions)
+        ropes = {False: rope, True: self.local_rotary.tables(positions) if self.local_rotary is not None else rope}
         residual = None
         if self.residual_dtype is not None and self.residual_dtype != x.dtype:
             # The first norm adds the embedding into it: zero plus a bf16 value is that value, exactly.
             residual = torch.zeros(x.shape, dtype=self.residual_dtype, device=x.device)
         caches = kv_caches if kv_caches is not None else [None] * len(self.model.layers)
         for layer, kv_cache in zip(self.model.layers, caches):
-            x, residual = layer(x, residual, rope, kv_cache, metadata, num_tokens)
+            x, residual = layer(x, residual, ropes, kv_cache, metadata, num_tokens)
         hidden = (x + residual).to(x.dtype)  # (one rounding, where the stream is float32)
         return hidden[:num_tokens] if rows != num_tokens else hidden
 
@@ -282,12 +328,16 @@ class CausalLM(nn.Module):
         apart tie, and which wins then depends on the path that computed them."""
         normed = self.model.norm(hidden)
         exact = getattr(self.lm_head, "float32_forward", None)
-        return exact(normed) if exact is not None else self.lm_head(normed).float()
+        logits = exact(normed) if exact is not None else self.lm_head(normed).float()
+        cap = self.config.final_softcap
+        if cap is not None and logits is not None:  # (None: a vocabulary-parallel head's rank other than 0)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_rows] int64: each row's most likely token (the first on a tie). A vocabulary-parallel head
         (``tensor_parallel``) compares the ranks' best and returns None on ranks other than 0."""
         parallel = getattr(self.lm_head, "greedy_tokens", None)
-        if parallel is not None:
+        if parallel is not None:  # (soft-capping keeps the order: each rank's best stays its best)
             return parallel(self.model.norm(hidden))
         return self.compute_logits(hidden).argmax(dim=-1)

@@ -78,7 +78,9 @@ def build_model(source: ModelSource, backend: AttentionBackend, max_positions: i
         shard_model(model, shard, comm)  # (shapes only, on the meta device)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # (to_empty gave each its own memory)
-    model.rotary.reset_tables()
+    for rotary in (model.rotary, model.local_rotary):
+        if rotary is not None:
+            rotary.reset_tables()
     if source.weight_format == "builtin":
         from inflight.engine.models import demo_tiny
 
@@ -115,7 +117,7 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            param.fill_(0.0 if model.config.gemma else 1.0)  # (Gemma's norms scale by 1 + weight)
         elif name.endswith("embed_tokens.weight"):
             param.normal_(0.0, 1.0, generator=generator)
         else:

@@ -43,8 +43,8 @@ def _run(path, fused: bool, monkeypatch, threads: int) -> tuple[list, int]:
 
 @pytest.mark.parametrize("arch, overrides", [
     ("llama", {"hidden_size": 128}),  # heads of 32: attention on dot products
-    ("mistral", {}),  # heads of 16: the kernels' widening path
-    ("qwen2", {"hidden_size": 128}),  # a qkv bias
+    ("mistral", {"sliding_window": None}),  # heads of 16: the kernels' widening path (no window: not its kernels')
+    ("qwen2", {"hidden_size": 128, "use_sliding_window": False}),  # a qkv bias
 ])
 def test_fused_decode_gives_the_layer_by_layer_bits(checkpoint, monkeypatch, arch, overrides):
     _same_bits_fused_and_layered(checkpoint(arch, dtype=torch.bfloat16, **overrides), monkeypatch)
@@ -78,3 +78,6 @@ def test_only_bfloat16_cpu_models_without_qk_norms_get_it(checkpoint):
     assert isinstance(fused_decode(llama, "bfloat16"), cpu_decode.FusedDecode)
     assert fused_decode(llama, "float32") is None
     assert fused_decode(checkpoint("qwen3", dtype=torch.bfloat16), "bfloat16") is None  # q/k norms
+    assert fused_decode(checkpoint("mistral", dtype=torch.bfloat16), "bfloat16") is None  # sliding windows
+    assert fused_decode(checkpoint("gemma2", dtype=torch.bfloat16, sliding_window=None,
+                                   attn_logit_softcapping=None), "bfloat16") is None  # Gemma's layers
