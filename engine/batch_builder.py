@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 from inflight.engine.scheduler_output import PLACEHOLDER_TOKEN_ID, PromptRow, SchedulerOutput
 
 if TYPE_CHECKING:
+    from inflight.engine.block_pool import KVCacheManager
     from inflight.engine.request import Request
 
 
-def build_batch(requests: list[Request], counts: list[int], block_tables: dict[str, list[int]],
-                with_prompt_work: bool) -> SchedulerOutput:
+def build_batch(requests: list[Request], counts: list[int], kv: KVCacheManager, with_prompt_work: bool) -> SchedulerOutput:
     """Row i computes ``counts[i]`` tokens of ``requests[i]`` from its ``num_computed_tokens`` on: a prompt chunk,
     a decode (its input the token an in-flight step samples, when it has not landed: a placeholder), or a decode
     and its proposed tokens to verify (``spec_token_ids``). ``with_prompt_work``: some request may owe prompt
@@ -51,7 +51,9 @@ def build_batch(requests: list[Request], counts: list[int], block_tables: dict[s
             now = now or time.time()
             metrics.first_scheduled_time = now
     # copies (C loops, every row): the KV manager grows its lists for the next step while the runner reads these
-    out.block_tables = list(map(list.copy, map(block_tables.__getitem__, out.request_ids)))
+    out.block_tables = list(map(list.copy, map(kv.block_tables.__getitem__, out.request_ids)))
+    if kv.window is not None:
+        out.window_tables = list(map(list.copy, map(kv.window_tables.__getitem__, out.request_ids)))
     if with_prompt_work:
         _add_prompt_rows(out, requests)
     return out

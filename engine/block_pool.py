@@ -12,6 +12,13 @@ Prefix caching: a full block is identified by the hash of (its parent block's ha
 so equal hashes mean equal prefixes up to and including that block. The token ids are kept next to
 the hash and compared on a hit, so a hash collision cannot hand out the wrong KV.
 
+Sliding-window layers (``ModelConfig.window``: Gemma's every other or five of six, Mistral's every one) read only a
+request's last ``window`` positions, so their KV lives apart: a pool of its own (the window caches, sized by
+``kv_budget``) and a window table per request beside its block table, entry for entry. A window block that no query
+from the request's next step on can read is given back at once (``allocate``'s ``start``); its entry then holds
+``null_window_block``, the window caches' scratch block, which no kernel reads (they start at the window). The
+window's blocks are not hashed: prefix caching is off for such a model (the engine says so at start).
+
 Invariants (``KVCacheManager.check_invariants``, run by the tests after every path):
   * live + cached + free = total, and no block is in two of those sets;
   * a block's ref count equals the number of block tables holding it;
@@ -130,38 +137,62 @@ class KVCacheStats:
 
 
 class KVCacheManager:
-    """Maps each request to the blocks that hold its KV, growing the table as the request grows."""
+    """Maps each request to the blocks that hold its KV, growing the table as the request grows. ``window`` (with
+    ``num_window_blocks``): the model's sliding-window layers' KV, in a pool and tables of its own (module docstring)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 window: int | None = None, num_window_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching and window is None
         self._block_hashes: dict[str, list[int]] = {}  # request -> hashes of its leading full blocks
+        self.window = window
+        self.window_pool = BlockPool(num_window_blocks) if window is not None else None
+        self.window_tables: dict[str, list[int]] = {}
+        self.null_window_block = num_window_blocks  # (the window caches' scratch block)
+        self._window_released: dict[str, int] = {}  # request -> its leading window entries given back
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_fit(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's table could be grown to hold ``num_tokens`` tokens now."""
-        have = len(self.block_tables.get(request_id, ()))
-        return self.num_blocks_for(num_tokens) - have <= self.pool.num_free
+        missing = self.num_blocks_for(num_tokens) - len(self.block_tables.get(request_id, ()))
+        return missing <= self.pool.num_free and (self.window_pool is None or missing <= self.window_pool.num_free)
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to hold ``num_tokens`` tokens. False (and no change) if blocks run out."""
+    def allocate(self, request_id: str, num_tokens: int, start: int | None = None) -> bool:
+        """Grow the request's table to hold ``num_tokens`` tokens. False (and no change) if blocks run out.
+        ``start``: the first position the step computes; window blocks no query from it on reads go back first."""
         table = self.block_tables.get(request_id)
+        if self.window is not None and start is not None and table is not None:
+            self._release_window(request_id, start)
         missing = -(-num_tokens // self.block_size) - (len(table) if table is not None else 0)
         if table is not None and missing <= 0:
             return True  # the common case, a decode inside its last block: checked first, it runs every step
+        window_pool = self.window_pool
+        if missing > self.pool.num_free or (window_pool is not None and missing > window_pool.num_free):
+            return False
         if table is None:
             table = self.block_tables[request_id] = []
-        if missing > self.pool.num_free:
-            if not table:
-                del self.block_tables[request_id]
-            return False
-        if missing > 0:
-            table.extend(self.pool.allocate(missing))
+            if window_pool is not None:
+                self.window_tables[request_id] = []
+        table.extend(self.pool.allocate(missing))
+        if window_pool is not None:
+            self.window_tables[request_id].extend(window_pool.allocate(missing))
         return True
+
+    def _release_window(self, request_id: str, start: int) -> None:
+        """Give back the window blocks before the one holding position ``start - window + 1``, the first any query
+        from ``start`` on sees (a step in flight reads no further back: it ends before ``start``)."""
+        keep_from = max(0, start - self.window + 1) // self.block_size
+        released = self._window_released.get(request_id, 0)
+        if keep_from > released:
+            table = self.window_tables[request_id]
+            keep_from = min(keep_from, len(table))
+            self.window_pool.free(table[released:keep_from])
+            table[released:keep_from] = [self.null_window_block] * (keep_from - released)
+            self._window_released[request_id] = keep_from
 
     def free(self, request_id: str) -> None:
         self._block_hashes.pop(request_id, None)
@@ -170,6 +201,10 @@ class KVCacheManager:
             # Freed in reverse: a prefix's tail blocks become least recently used, so its head (the
             # part other requests are likelier to share) outlives them in the cache.
             self.pool.free(table[::-1])
+        if self.window_pool is not None:
+            window_table = self.window_tables.pop(request_id, None)
+            if window_table:
+                self.window_pool.free(window_table[self._window_released.pop(request_id, 0):])
 
     # -- prefix caching ------------------------------------------------------------------------------------
     def match_prefix(self, request_id: str, token_ids: list[int], root: int = NO_PARENT) -> int:
@@ -227,7 +262,16 @@ class KVCacheManager:
             num_tokens_used=num_tokens_logical - pool.num_shared_refs * self.block_size,
         )
 
+    def window_blocks_used(self) -> int:
+        return self.window_pool.num_used if self.window_pool is not None else 0
+
     def check_invariants(self) -> None:
+        if self.window_pool is not None:
+            assert self.window_tables.keys() == self.block_tables.keys(), "a window table without a block table"
+            held = [block for rid, table in self.window_tables.items()
+                    for block in table[self._window_released.get(rid, 0):]]
+            assert len(held) == len(set(held)) == self.window_pool.num_used, "window blocks held != used"
+            assert all(len(self.window_tables[rid]) == len(t) for rid, t in self.block_tables.items())
         pool = self.pool
         free, idle = list(pool._free), list(pool._cached_idle)
         assert len(free) == len(set(free)), "a block is in the free list twice"

@@ -57,7 +57,9 @@ class LLMEngine:
         self.config = self.runner.config  # the attention backend may have raised block_size
         self.max_model_len, self._max_model_len_note = fit_to_pool(self.max_model_len, wanted,
                                                                    self.runner.num_kv_blocks, self.config.block_size)
-        self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks)
+        self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks, self.runner.kv_window)
+        if self.runner.kv_window is not None and self.config.enable_prefix_caching:
+            logger.info("prefix caching is off: the sliding-window layers keep only their windows' KV")
         self.request_maker = RequestMaker(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                           self.max_model_len, self._max_model_len_note,
                                           self.runner.sampler.constraints)
@@ -371,6 +373,9 @@ class LLMEngine:
             "kv_blocks_free": kv.num_blocks_free,  # available to new requests: empty + cached
             "kv_block_usage": kv.block_usage,
             "kv_token_usage": kv.token_usage,
+            # the sliding-window layers' own blocks, where they keep only their windows (0 and 0 where not)
+            "kv_window_blocks_total": self.runner.num_window_blocks,
+            "kv_window_blocks_used": self.scheduler.kv.window_blocks_used(),
             "block_size": self.config.block_size,
             "max_num_seqs": self.config.max_num_seqs,
             "max_model_len": self.max_model_len,

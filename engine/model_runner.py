@@ -55,6 +55,8 @@ class StepArrays:
     slots: np.ndarray  # [num_tokens]
     logits_index: np.ndarray  # [num_sampling_rows]: the token whose hidden state each sampling row reads
     all_decode: bool
+    window_tables: np.ndarray | None = None  # the same for the sliding-window layers' caches, where apart
+    window_slots: np.ndarray | None = None
 
 
 @dataclass
@@ -94,9 +96,14 @@ class ModelRunner:
     (``engine.parallel.ranks``) and alone samples (the others' ``sampler`` is None)."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
-                 shared: SharedBudget | None = None, parallel: TensorParallel | None = None) -> None:
+                 shared: SharedBudget | None = None, parallel: TensorParallel | None = None,
+                 window_kv: bool = True) -> None:
+        """``window_kv``: keep the sliding-window layers' KV apart, only their windows (block_pool.py), where the
+        model has such layers; not under tensor parallelism yet (the step channel carries one table a row), nor
+        for a draft model (its KV follows the target's block tables)."""
         self.config = config
         self.shared = shared
+        self.window_kv = window_kv and parallel is None and config.tensor_parallel_size == 1
         if parallel is None and config.tensor_parallel_size > 1:
             check_tensor_parallel_size(source.config, config.tensor_parallel_size)
             backend, cuda = config.tensor_parallel_backend, resolve_device(config.device).type == "cuda"
@@ -151,24 +158,26 @@ class ModelRunner:
                 if parallel is None:  # (its one C++ call has no place for the ranks' all-reduces)
                     self.model.fused_decode = FusedDecode.for_model(self.model, self.backend)  # None: layer by layer
         self.model_config = source.config
-        self.num_kv_blocks = count_kv_blocks(self, max_model_len)
+        # The layers whose KV lives apart, only their windows (block_pool.py), and that window
+        self.window_layers = frozenset(source.config.sliding_layers) if self.window_kv else frozenset()
+        self.num_kv_blocks, self.num_window_blocks = count_kv_blocks(self, max_model_len)
         if parallel is not None:  # every rank as many blocks: as many as the rank with least room holds
             self.num_kv_blocks = parallel.shm.min_int(self.num_kv_blocks)
             if parallel.workers is not None:
                 parallel.workers.joined()  # (every rank has attached the shared memory: its files go)
-        shape = self.backend.kv_cache_shape(self.num_kv_blocks + 1, self.block_size, self.kv_heads,
-                                            source.config.head_dim)
-        # The extra last block is scratch: static-mode padding rows write there and nobody reads it.
-        self.kv_caches = [(_reserved(torch.zeros(shape, dtype=self.dtype, device=self.device)),
-                           _reserved(torch.zeros(shape, dtype=self.dtype, device=self.device)))
-                          for _ in range(source.config.num_layers)]
+        # The extra last block is scratch: static-mode padding rows write there and nobody reads it (in the window
+        # caches also the entry of a block given back).
+        self.kv_caches = [self._kv_cache(self.num_window_blocks if layer in self.window_layers else self.num_kv_blocks)
+                          for layer in range(source.config.num_layers)]
         self.scratch_slot = self.num_kv_blocks * self.block_size
+        self.window_scratch_slot = self.num_window_blocks * self.block_size
         vocab_size = source.config.vocab_size
         self.sampler = (Sampler(config.seed, lambda: GrammarCompiler(source.tokenizer, vocab_size,
                                                                      source.eos_token_ids))
                         if parallel is None or parallel.rank == 0 else None)
-        # Host memory for preempted requests' KV (swapping), in the device cache's layout, block for block.
-        self.num_swap_blocks = config.swap_space_bytes // self.kv_bytes_per_block
+        # Host memory for preempted requests' KV (swapping), in the device cache's layout, block for block (not
+        # for the window caches' blocks: a model with them recomputes what it preempts).
+        self.num_swap_blocks = config.swap_space_bytes // self.kv_bytes_per_block if not self.window_layers else 0
         if parallel is not None:
             self.num_swap_blocks = parallel.shm.min_int(self.num_swap_blocks)
         host_shape = self.backend.kv_cache_shape(self.num_swap_blocks, self.block_size, self.kv_heads,
@@ -186,15 +195,31 @@ class ModelRunner:
             if tune is not None:  # before capture: graphs freeze the launch configuration
                 tune(self.heads, self.kv_heads, cfg.head_dim, self.block_size, self.dtype)
             # (not under tensor parallelism yet: a graph would have to capture the ranks' collectives)
-            if not config.enforce_eager and parallel is None and getattr(self.backend, "supports_cuda_graphs", False):
+            # (nor with window caches: a graph's metadata holds one block table)
+            if (not config.enforce_eager and parallel is None and not self.window_layers
+                    and getattr(self.backend, "supports_cuda_graphs", False)):
                 self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, config.max_num_seqs,
                                            max_model_len, self.block_size, self.scratch_slot, self.device)
 
+    def _kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = self.backend.kv_cache_shape(num_blocks + 1, self.block_size, self.kv_heads, self.model_config.head_dim)
+        return (_reserved(torch.zeros(shape, dtype=self.dtype, device=self.device)),
+                _reserved(torch.zeros(shape, dtype=self.dtype, device=self.device)))
+
+    @property
+    def kv_window(self) -> tuple[int, int] | None:
+        """(the sliding window, the window caches' blocks) where those layers' KV lives apart, else None."""
+        return (self.model_config.sliding_window, self.num_window_blocks) if self.window_layers else None
+
+    @property
+    def kv_layer_block_bytes(self) -> int:
+        """A block of one layer's K and V, of this rank (its KV heads)."""
+        return 2 * self.block_size * self.kv_heads * self.model_config.head_dim * self.dtype.itemsize
+
     @property
     def kv_bytes_per_block(self) -> int:
-        """Of this rank (its KV heads)."""
-        cfg = self.model_config
-        return 2 * cfg.num_layers * self.block_size * self.kv_heads * cfg.head_dim * self.dtype.itemsize
+        """A block of the block tables': every layer's but those whose KV lives in the window caches."""
+        return (self.model_config.num_layers - len(self.window_layers)) * self.kv_layer_block_bytes
 
     def check_ranks(self) -> None:
         """``PeerLost`` if another tensor-parallel rank has died (rank 0; an idle engine looks now and then)."""
@@ -263,10 +288,15 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, arrays.positions, arrays.slots, arrays.tables, arrays.seq_lens)
         else:
             to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-            layout = BatchLayout(query_lens=batch.query_lens, seq_lens=arrays.seq_lens.tolist(),
-                                 block_tables=to(arrays.tables), slot_mapping=to(arrays.slots),
-                                 block_size=self.block_size)
-            hidden = self.model(input_ids, to(arrays.positions), self.kv_caches, self.backend.prepare(layout))
+            seq_lens = arrays.seq_lens.tolist()
+            layout = BatchLayout(query_lens=batch.query_lens, seq_lens=seq_lens, block_tables=to(arrays.tables),
+                                 slot_mapping=to(arrays.slots), block_size=self.block_size)
+            window_metadata = None
+            if arrays.window_tables is not None:  # the sliding-window layers read their own caches' tables
+                window_metadata = self.backend.prepare(dataclasses.replace(
+                    layout, block_tables=to(arrays.window_tables), slot_mapping=to(arrays.window_slots)))
+            hidden = self.model(input_ids, to(arrays.positions), self.kv_caches, self.backend.prepare(layout),
+                                window_metadata)
         sampled: list[int | None] = [None] * batch.num_rows
         logprobs: list[TokenLogprobs | None] = [None] * batch.num_rows
         sample_rows = [i for i, s in enumerate(batch.sample) if s]
@@ -396,19 +426,29 @@ class ModelRunner:
         # position of each token = its row's start + its offset inside the row
         positions = starts[row_of_token] + np.arange(token_ends[-1]) - (token_ends - query_lens)[row_of_token]
 
-        # Ragged block tables into one zero-padded array without a Python loop over rows (the batch's tables are
-        # copies the scheduler made: the KV manager's own lists grow for the next step while this one is prepared).
-        block_tables = batch.block_tables
-        lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=batch.num_rows)
-        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum()))
-        tables = np.zeros((batch.num_rows, int(lengths.max())), dtype=np.int64)
-        tables[np.arange(tables.shape[1]) < lengths[:, None]] = flat
-        slots = tables[row_of_token, positions // bs] * bs + positions % bs
-        if any(batch.padding):
-            slots[np.asarray(batch.padding)[row_of_token]] = self.scratch_slot
-
+        padding = np.asarray(batch.padding)[row_of_token] if any(batch.padding) else None
+        tables, slots = _tables_and_slots(batch.block_tables, row_of_token, positions, bs, padding, self.scratch_slot)
         logits_index = (token_ends - 1)[np.asarray(batch.sample)]
-        return StepArrays(positions, seq_lens, tables, slots, logits_index, all_decode=bool((query_lens == 1).all()))
+        arrays = StepArrays(positions, seq_lens, tables, slots, logits_index, all_decode=bool((query_lens == 1).all()))
+        if batch.window_tables is not None:
+            arrays.window_tables, arrays.window_slots = _tables_and_slots(
+                batch.window_tables, row_of_token, positions, bs, padding, self.window_scratch_slot)
+        return arrays
+
+
+def _tables_and_slots(block_tables: list[list[int]], row_of_token: np.ndarray, positions: np.ndarray, bs: int,
+                      padding: np.ndarray | None, scratch_slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged block tables into one zero-padded array without a Python loop over rows (the batch's tables are copies
+    the scheduler made: the KV manager's own lists grow for the next step while this one is prepared), and the slot
+    each token's K/V goes to (``padding`` tokens': the scratch slot)."""
+    lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum()))
+    tables = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int64)
+    tables[np.arange(tables.shape[1]) < lengths[:, None]] = flat
+    slots = tables[row_of_token, positions // bs] * bs + positions % bs
+    if padding is not None:
+        slots[padding] = scratch_slot
+    return tables, slots
 
 
 def recorded_event() -> torch.cuda.Event:

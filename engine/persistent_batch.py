@@ -59,6 +59,8 @@ class PersistentBatch:
         self.request_ids: list[str] = list(map(_ID, rows))
         # the requests' live tables: allocating grows them in place, so the batch sees new blocks without a copy
         self.tables: list[list[int]] = list(map(kv.block_tables.__getitem__, self.request_ids))
+        self.window_tables: list[list[int]] | None = (list(map(kv.window_tables.__getitem__, self.request_ids))
+                                                      if kv.window is not None else None)
         self.all_lists: list[list[int]] = list(map(_ALL, rows))
         self.output_lists: list[list[int]] = list(map(_OUTPUT, rows))
         self.params = list(map(_PARAMS, rows))  # what the sampler needs of each row: fixed for a request's life
@@ -112,7 +114,7 @@ class PersistentBatch:
             placeholder_rows = []
         computed, request_ids = self.computed, self.request_ids
         for row in self.due[self.step % self.block_size]:  # rows whose last block is full: ~1 in block_size
-            if not kv.allocate(request_ids[row], int(computed[row]) + 1):
+            if not kv.allocate(request_ids[row], int(computed[row]) + 1, start=int(computed[row])):
                 return None
         self._filling.append(self.due[(self.step + 1) % self.block_size])
         self.step += 1
@@ -122,7 +124,8 @@ class PersistentBatch:
         out = SchedulerOutput(
             request_ids=list(request_ids), input_token_ids=inputs, query_lens=[1] * count,
             start_positions=starts, block_tables=list(map(list.copy, self.tables)), sample=[True] * count,
-            padding=[False] * count, placeholder_rows=placeholder_rows)
+            padding=[False] * count, placeholder_rows=placeholder_rows,
+            window_tables=list(map(list.copy, self.window_tables)) if self.window_tables is not None else None)
         self.num_pending = num_pending = num_pending + 1
         consume(map(setattr, self.rows, repeat("num_computed_tokens"), ends))
         consume(map(setattr, self.rows, repeat("num_pending_tokens"), repeat(num_pending, count)))

@@ -39,8 +39,8 @@ class Scheduler(SchedulerState):
     requests leave in the step they finished in.
     """
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
-        super().__init__(config, num_kv_blocks)
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, window: tuple[int, int] | None = None) -> None:
+        super().__init__(config, num_kv_blocks, window)
         # Speculative decoding: a decode row also computes its request's ``spec_token_ids`` (set by the engine's
         # Speculator before each schedule) when blocks for them are free; they never cause a preemption.
         self.speculative = False
@@ -76,7 +76,7 @@ class Scheduler(SchedulerState):
         return out
 
     def _build_batch(self, requests: list[Request], counts: list[int]) -> SchedulerOutput:
-        out = build_batch(requests, counts, self.kv.block_tables, bool(self._num_with_prompt_work))
+        out = build_batch(requests, counts, self.kv, bool(self._num_with_prompt_work))
         if self._ended_with_state and requests:
             out.ended_ids = self.take_ended_with_state()
         if requests and self.preemption.has_copies:
@@ -160,10 +160,10 @@ class Scheduler(SchedulerState):
         if num_new > budget:
             num_new = budget
         table = tables.get(request.request_id)
-        if table is not None and computed + num_new <= len(table) * block_size:
+        if table is not None and computed + num_new <= len(table) * block_size and self.kv.window is None:
             scheduled[request] = num_new  # its blocks hold these tokens already: no allocate
             return budget - num_new
-        while not self.kv.allocate(request.request_id, computed + num_new):
+        while not self.kv.allocate(request.request_id, computed + num_new, start=computed):
             victim = max(self.running, key=lambda r: self.rank(r, now))
             budget += scheduled.pop(victim, 0)
             self._preempt(victim)
@@ -343,9 +343,9 @@ def roll_back_rejected(requests: list[Request], ends: list[int], proposed_by_row
             request.num_computed_tokens -= rejected
 
 
-def make_scheduler(config: EngineConfig, num_kv_blocks: int) -> Scheduler:
+def make_scheduler(config: EngineConfig, num_kv_blocks: int, window: tuple[int, int] | None = None) -> Scheduler:
     if config.batching == "static":
         from inflight.engine.static_scheduler import StaticScheduler
 
-        return StaticScheduler(config, num_kv_blocks)
-    return Scheduler(config, num_kv_blocks)
+        return StaticScheduler(config, num_kv_blocks, window)
+    return Scheduler(config, num_kv_blocks, window)

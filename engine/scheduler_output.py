@@ -36,6 +36,8 @@ class SchedulerOutput:
     query_lens: list[int] = field(default_factory=list)
     start_positions: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)  # copies, as of scheduling: never the live lists
+    # The rows' window tables (block_pool.py: a model's sliding-window layers' KV), or None: no such layers apart
+    window_tables: list[list[int]] | None = None
     sample: list[bool] = field(default_factory=list)
     padding: list[bool] = field(default_factory=list)
     # KV copies the runner makes before the forward, outs first: (device block, host block) pairs leaving

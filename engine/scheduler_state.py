@@ -24,10 +24,13 @@ class SchedulerState:
     prefix_caching = True  # a subclass that cannot reuse cached prefixes turns it off
     keeps_decode_batch = True  # ... or keep a persistent decode batch
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, window: tuple[int, int] | None = None) -> None:
+        """``window``: (the model's sliding window, blocks of the window caches) where its windowed layers' KV is
+        kept apart (block_pool.py)."""
         self.config = config
         self.kv = KVCacheManager(num_kv_blocks, config.block_size,
-                                 enable_prefix_caching=self.prefix_caching and config.enable_prefix_caching)
+                                 enable_prefix_caching=self.prefix_caching and config.enable_prefix_caching,
+                                 **(dict(window=window[0], num_window_blocks=window[1]) if window else {}))
         self.policy = SchedulingPolicy(config)
         self.preemption = Preemption(config.preemption_mode)
         self.waiting: deque[Request] = deque()

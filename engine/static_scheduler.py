@@ -10,9 +10,14 @@ without its whole KV).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from inflight.engine.request import Request, RequestStatus
 from inflight.engine.scheduler import Scheduler
 from inflight.engine.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from inflight.engine.block_pool import KVCacheManager
 
 
 class StaticScheduler(Scheduler):
@@ -46,7 +51,7 @@ class StaticScheduler(Scheduler):
     def _build_batch(self, requests: list[Request], counts: list[int]) -> SchedulerOutput:
         out = super()._build_batch(requests, counts)
         for request in self._padding:  # after the rows ``update`` reads: it zips the requests with the first rows
-            _add_padding_row(out, request, self.kv.block_tables[request.request_id])
+            _add_padding_row(out, request, self.kv)
         return out
 
     def _form_batch(self) -> None:
@@ -76,7 +81,7 @@ class StaticScheduler(Scheduler):
             self._running_changed()
 
 
-def _add_padding_row(out: SchedulerOutput, request: Request, table: list[int]) -> None:
+def _add_padding_row(out: SchedulerOutput, request: Request, kv: KVCacheManager) -> None:
     """Recompute the member's last position against its cached context; its KV is not written (the runner sends
     a padding row's store to a scratch slot) and its sample is thrown away."""
     start = request.num_computed_tokens
@@ -84,6 +89,8 @@ def _add_padding_row(out: SchedulerOutput, request: Request, table: list[int]) -
     out.input_token_ids.append(request.all_token_ids[start - 1])
     out.query_lens.append(1)
     out.start_positions.append(start - 1)
-    out.block_tables.append(list(table))
+    out.block_tables.append(list(kv.block_tables[request.request_id]))
+    if out.window_tables is not None:
+        out.window_tables.append(list(kv.window_tables[request.request_id]))
     out.sample.append(False)
     out.padding.append(True)

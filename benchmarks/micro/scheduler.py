@@ -96,7 +96,7 @@ class StandInModel:
         self.row = torch.zeros(token_id + 1)
         self.row[token_id] = 1.0
 
-    def __call__(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
+    def __call__(self, input_ids, positions, kv_caches, metadata, window_metadata=None) -> torch.Tensor:
         return torch.zeros(len(input_ids), self.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

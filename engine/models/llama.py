@@ -236,14 +236,19 @@ class DecoderLayer(nn.Module):
         self.sandwich = cfg.gemma
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ropes: dict[bool, Rope],
-                kv_cache: KVCache | None, metadata: Any, num_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCache | None, metadata: Any, num_tokens: int | None = None,
+                window_metadata: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): each residual add is fused into the
-        norm that follows it; the caller adds the last one. ``ropes``: the step's tables, by ``local_rope``."""
+        norm that follows it; the caller adds the last one. ``ropes``: the step's tables, by ``local_rope``;
+        ``window_metadata``: the step's layout in the window caches, which a sliding-window layer's cache is then."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, ropes[self.self_attn.local_rope], kv_cache, metadata, num_tokens)
+        attn = self.self_attn
+        if window_metadata is not None and attn.window is not None:
+            metadata = window_metadata
+        h = attn(h, ropes[attn.local_rope], kv_cache, metadata, num_tokens)
         if not self.sandwich:
             h, residual = self.post_attention_layernorm(h, residual)
             return self.mlp(h), residual
@@ -294,9 +299,10 @@ class CausalLM(nn.Module):
             head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache] | None,
-                metadata: Any) -> torch.Tensor:
+                metadata: Any, window_metadata: Any = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] before the final norm. ``kv_caches`` None: a prefill-only lane
-        batch (``metadata`` is a ``DensePrefillMetadata``), attended without any cache."""
+        batch (``metadata`` is a ``DensePrefillMetadata``), attended without any cache. ``window_metadata``: the
+        step in the window caches' tables, where the runner keeps the sliding-window layers' KV apart."""
         if self.fused_decode is not None and kv_caches is not None and self.fused_decode.accepts(metadata):
             return self.fused_decode.forward(input_ids, positions, kv_caches, metadata)
         num_tokens = input_ids.shape[0]
@@ -314,7 +320,7 @@ class CausalLM(nn.Module):
             residual = torch.zeros(x.shape, dtype=self.residual_dtype, device=x.device)
         caches = kv_caches if kv_caches is not None else [None] * len(self.model.layers)
         for layer, kv_cache in zip(self.model.layers, caches):
-            x, residual = layer(x, residual, ropes, kv_cache, metadata, num_tokens)
+            x, residual = layer(x, residual, ropes, kv_cache, metadata, num_tokens, window_metadata)
         hidden = (x + residual).to(x.dtype)  # (one rounding, where the stream is float32)
         return hidden[:num_tokens] if rows != num_tokens else hidden
 

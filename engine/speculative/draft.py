@@ -46,7 +46,7 @@ class DraftProposer(Proposer):
                                      kv_cache_memory_bytes=None, swap_space_bytes=0, enforce_eager=True,
                                      speculative_config=None, preemption_mode="recompute",
                                      tensor_parallel_size=1)  # (small: on rank 0 whole)
-        self.runner = ModelRunner(config, source, max_model_len)
+        self.runner = ModelRunner(config, source, max_model_len, window_kv=False)
         self.kv = KVCacheManager(self.runner.num_kv_blocks, self.runner.block_size)
         self.computed: dict[str, int] = {}  # request id -> tokens whose KV the draft holds
 

@@ -74,8 +74,9 @@ def make_config(**overrides: Any) -> EngineConfig:
     return EngineConfig.from_kwargs(**values)
 
 
-def make_scheduler(num_kv_blocks: int = 64, **overrides: Any) -> Scheduler:
-    return _make_scheduler(make_config(**overrides), num_kv_blocks)
+def make_scheduler(num_kv_blocks: int = 64, window: tuple[int, int] | None = None, **overrides: Any) -> Scheduler:
+    """``window``: (sliding window, window blocks): the window layers' KV kept apart (engine/block_pool.py)."""
+    return _make_scheduler(make_config(**overrides), num_kv_blocks, window)
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, max_model_len: int = 4096,

@@ -11,7 +11,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 
 from inflight.engine.block_pool import KVCacheManager
 from inflight.engine.request import RequestStatus
-from tests.engine.helpers import make_request, make_scheduler
+from tests.engine.helpers import make_config, make_request, make_scheduler
 
 STATEFUL = settings(max_examples=50, stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -117,10 +117,18 @@ STOP_TOKEN = 5
 
 
 def drive_scheduler(batching: str, seed: int, num_kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    num_requests: int, swap_blocks: int = 0, **config):
+                    num_requests: int, swap_blocks: int = 0, window: int | None = None, **config):
+    """``window``: the sliding-window layers' KV apart, in as many blocks as the engine would give them; every step
+    must then find in the window tables each block its tokens' windows read."""
     rng = random.Random(seed)
     block_size = 4
-    scheduler = make_scheduler(num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+    window_kv = None
+    if window is not None:
+        from inflight.engine.kv_budget import window_blocks_needed
+
+        window_kv = (window, window_blocks_needed(make_config(max_num_seqs=max_num_seqs, max_num_batched_tokens=
+                                                              max_num_batched_tokens), window, block_size))
+    scheduler = make_scheduler(num_kv_blocks, window=window_kv, block_size=block_size, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, batching=batching, **config)
     scheduler.preemption.set_swap_space(swap_blocks)
     capacity = num_kv_blocks * block_size
@@ -156,6 +164,11 @@ def drive_scheduler(batching: str, seed: int, num_kv_blocks: int, max_num_seqs: 
             if not pad:
                 assert start >= 0 and qlen >= 1
                 assert len(table) * block_size >= start + qlen, "the block table does not cover the step's tokens"
+        if window is not None:
+            null = scheduler.kv.null_window_block
+            for start, qlen, table in zip(out.start_positions, out.query_lens, out.window_tables):
+                read = table[max(0, start - window + 1) // block_size:(start + qlen - 1) // block_size + 1]
+                assert null not in read and len(table) * block_size >= start + qlen, "a window block was given back"
         tokens = [None if not s else (STOP_TOKEN if rid in to_stop else rng.randrange(7, 263))
                   for rid, s in zip(out.request_ids, out.sample)]
         if not out.is_empty:
@@ -226,6 +239,21 @@ def test_policies_and_admission_modes_keep_the_books(seed, num_kv_blocks, max_nu
                                    preemption_mode=preemption, swap_space_bytes=swap_blocks + 1)  # bytes: any > 0
     if mode == "guaranteed_no_evict":
         assert scheduler.preemption.num_preemptions == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_kv_blocks=st.integers(8, 40), max_num_seqs=st.integers(1, 6),
+       max_num_batched_tokens=st.integers(6, 40), num_requests=st.integers(1, 12), window=st.integers(1, 13),
+       batching=st.sampled_from(["continuous", "static"]))
+def test_sliding_window_blocks_go_back_only_out_of_every_window(seed, num_kv_blocks, max_num_seqs,
+                                                                max_num_batched_tokens, num_requests, window, batching):
+    """The window layers' blocks (engine/block_pool.py) under random traffic, preemption and aborts: a step's rows
+    find every block their queries' windows read, the books balance after every step, all go back at the end."""
+    if batching == "static":
+        num_kv_blocks = max(num_kv_blocks, 13)
+    scheduler, _ = drive_scheduler(batching, seed, num_kv_blocks, max_num_seqs,
+                                   max(max_num_seqs, max_num_batched_tokens), num_requests, window=window)
+    assert scheduler.kv.window_pool.num_used == 0 and not scheduler.kv.window_tables
 
 
 def test_random_traffic_covers_swapping():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inflight.engine import SamplingParams
-from tests.checkpoints import SLIDING_WINDOW, hf_logits
+from tests.checkpoints import SLIDING_WINDOW, hf_greedy, hf_logits
 from tests.engine.helpers import generate_ids, greedy, make_engine, random_prompts, run_engine
 from tests.engine.test_prefill_lane import SCORE, assert_prompt_logprobs_match_hf
 
@@ -56,3 +56,51 @@ def test_seeded_samples_do_not_depend_on_the_batch(checkpoint):
     together = generate_ids(make_engine(path, max_num_seqs=3, max_num_batched_tokens=16), prompts, params)[0]
     assert alone == together
 
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_sliding_layers_free_the_blocks_out_of_their_window(checkpoint, arch):
+    """A prompt four windows long, in chunks of 16, then decoding: the sliding layers' own pool holds the window's
+    blocks and a chunk's, no more, while the full layers' tables hold the whole sequence (Gemma 2: one layer of two;
+    Mistral: none, so its block tables only count). Greedy tokens stay transformers'."""
+    path = checkpoint(arch)
+    engine = make_engine(path, max_num_seqs=2, max_num_batched_tokens=16)
+    window_blocks = -(-(SLIDING_WINDOW - 1) // 4) + 1  # positions start - 7 .. start in blocks of 4, at most
+    prompt = random_prompts(1, LONG, LONG, seed=7)[0]
+    engine.add_request("r", prompt, greedy(12))
+    prefill_peak, decoding, tokens = 0, [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens = list(output.outputs[0].token_ids) if output.finished else tokens
+        engine.scheduler.kv.check_invariants()
+        stats, request = engine.stats(), next(iter(engine.scheduler.requests.values()), None)
+        if request is None:
+            continue
+        computed = request.num_computed_tokens
+        assert stats["kv_blocks_used"] == -(-computed // 4)  # the whole sequence
+        if computed <= LONG:
+            prefill_peak = max(prefill_peak, stats["kv_window_blocks_used"])
+        else:
+            decoding.append((computed, stats["kv_window_blocks_used"]))
+    assert prefill_peak <= window_blocks + 16 // 4
+    # (a decoding row gives blocks back when it takes its next one: one more block between the two)
+    assert len(decoding) == 10 and all(used <= window_blocks + 1 for _, used in decoding), decoding
+    assert -(-decoding[-1][0] // 4) == 12 > 2 * (window_blocks + 1)  # the full layers' blocks at the end
+    assert engine.stats()["kv_window_blocks_used"] == engine.stats()["kv_blocks_used"] == 0
+    assert tokens == hf_greedy(path, prompt, 12)
+
+
+def test_a_kv_budget_is_split_between_the_window_caches_and_the_rest(checkpoint):
+    """As many longest requests fit in the window caches (a window each) as in the others (their whole length), and a
+    step's tokens: more tokens in the block tables than with every layer's KV whole, the budget never exceeded."""
+    from inflight.engine.kv_budget import window_blocks_needed
+
+    budget = 1 << 20
+    engine = make_engine(checkpoint("gemma2"), num_kv_blocks=None, kv_cache_memory_bytes=budget)
+    runner = engine.runner
+    layer_block = runner.kv_layer_block_bytes
+    assert 0 < runner.num_window_blocks <= window_blocks_needed(engine.config, SLIDING_WINDOW, 4)
+    used = runner.num_kv_blocks * layer_block + runner.num_window_blocks * layer_block  # one layer of each kind
+    assert budget - layer_block < used <= budget
+    assert runner.num_kv_blocks > budget // (2 * layer_block)  # whole: a block of both layers each
+    caches = [k.shape[runner.backend.block_dim] for k, _ in runner.kv_caches]
+    assert caches == [runner.num_window_blocks + 1, runner.num_kv_blocks + 1]  # (a scratch block each)
