@@ -26,7 +26,8 @@ def test_a_run_measures_both_systems_and_the_cost_of_driving_the_ranks(tmp_path,
         counted = result["collectives_counted_per_step"]
         assert sum(v for k, v in counted.items() if "all_reduce" in k) == pytest.approx(result["all_reduces_per_step"])
         assert result["all_reduces_per_step"] == 9
-        assert 0 < result["overhead_share_of_tp2_step"] < 1
+        # (a share of two timings, which a busy machine can push past 1: only its sign is the code's)
+        assert result["overhead_share_of_tp2_step"] > 0
     assert "cost a step" in capsys.readouterr().out
 
 

@@ -193,9 +193,12 @@ def test_the_real_model_is_installed_as_a_package_and_found_without_importing_it
 def test_the_real_model_answers_chat_prompts_token_for_token_as_transformers(smollm2):
     reference = hf_gguf_model(packaged_model_path(SMOLLM2))
     eos = sorted(smollm2.engine.eos_token_ids)
-    for question in CHAT_QUESTIONS:
-        ids = smollm2.tokenizer.chat_prompt([{"role": "user", "content": question}])["prompt_token_ids"]
-        assert our_greedy(smollm2, ids, 48, ignore_eos=False) == hf_greedy(reference, ids, 48, eos), question
+    questions = CHAT_QUESTIONS[:8]  # (transformers' generate takes ~4 s each here)
+    prompts = [smollm2.tokenizer.chat_prompt([{"role": "user", "content": q}])["prompt_token_ids"] for q in questions]
+    ours = smollm2.generate([{"prompt_token_ids": ids} for ids in prompts], SamplingParams(max_tokens=48, temperature=0))
+    for question, ids, out in zip(questions, prompts, ours):  # (one batch of ours: the tokens do not depend on it)
+        got = list(out.outputs[0].token_ids)
+        assert (got[:-1] if got and got[-1] in eos else got) == hf_greedy(reference, ids, 48, eos), question
 
 
 @pytest.mark.slow
@@ -209,11 +212,12 @@ def test_the_real_model_in_bfloat16_follows_transformers_bfloat16_but_at_near_ti
     exact = hf_gguf_model(path)
     eos = sorted(ours.engine.eos_token_ids)
     identical = 0
-    for question in CHAT_QUESTIONS:
-        ids = ours.tokenizer.chat_prompt([{"role": "user", "content": question}])["prompt_token_ids"]
+    questions = CHAT_QUESTIONS[::2]  # (half of them: three models' runs each, the suite's costliest test)
+    prompts = [ours.tokenizer.chat_prompt([{"role": "user", "content": q}])["prompt_token_ids"] for q in questions]
+    outputs = ours.generate([{"prompt_token_ids": ids} for ids in prompts], SamplingParams(max_tokens=48, temperature=0))
+    for question, ids, output in zip(questions, prompts, outputs):
         # (with the end-of-sequence token each emits: where one run stops and the other goes on, that is the tie)
-        got = list(ours.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=48, temperature=0))[0]
-                   .outputs[0].token_ids)
+        got = list(output.outputs[0].token_ids)
         with torch.no_grad():
             want = reference.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=eos,
                                       pad_token_id=0)[0, len(ids):].tolist()
@@ -226,7 +230,8 @@ def test_the_real_model_in_bfloat16_follows_transformers_bfloat16_but_at_near_ti
             logits = exact(torch.tensor([ids + got[:at]])).logits[0, -1]
         gap = abs(logits[got[at]] - logits[want[at]]).item()
         assert gap < 0.5, (question, at, gap)
-    # (2026-12-07, with the float32 residual stream: 6 of 12 identical to their 48 tokens or end of turn. Our
+    # (2026-12-07, with the float32 residual stream: 6 of 12 identical to their 48 tokens or end of turn, 3 of the 6
+    # asked here. Our
     # logits are float32 sums, transformers' are rounded to bf16, an eighth apart near 25: its ties and ours break
     # differently.)
     assert identical >= 1, "no prompt identical"
