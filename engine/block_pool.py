@@ -16,8 +16,10 @@ Sliding-window layers (``ModelConfig.window``: Gemma's every other or five of si
 request's last ``window`` positions, so their KV lives apart: a pool of its own (the window caches, sized by
 ``kv_budget``) and a window table per request beside its block table, entry for entry. A window block that no query
 from the request's next step on can read is given back at once (``allocate``'s ``start``); its entry then holds
-``null_window_block``, the window caches' scratch block, which no kernel reads (they start at the window). The
-window's blocks are not hashed: prefix caching is off for such a model (the engine says so at start).
+``null_window_block``, the window caches' scratch block, which no kernel reads (they start at the window). Prefix
+caching covers both: a window block is hashed with its block tables' twin (while the request still holds it; one
+given back stays findable until evicted), and a prefix is a hit only as far as the window blocks its first
+computed position reads are cached too (a sliding layer's cached blocks are reused only while in the window).
 
 Invariants (``KVCacheManager.check_invariants``, run by the tests after every path):
   * live + cached + free = total, and no block is in two of those sets;
@@ -145,7 +147,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
-        self.enable_prefix_caching = enable_prefix_caching and window is None
+        self.enable_prefix_caching = enable_prefix_caching
         self._block_hashes: dict[str, list[int]] = {}  # request -> hashes of its leading full blocks
         self.window = window
         self.window_pool = BlockPool(num_window_blocks) if window is not None else None
@@ -204,7 +206,7 @@ class KVCacheManager:
         if self.window_pool is not None:
             window_table = self.window_tables.pop(request_id, None)
             if window_table:
-                self.window_pool.free(window_table[self._window_released.pop(request_id, 0):])
+                self.window_pool.free(window_table[self._window_released.pop(request_id, 0):][::-1])
 
     # -- prefix caching ------------------------------------------------------------------------------------
     def match_prefix(self, request_id: str, token_ids: list[int], root: int = NO_PARENT) -> int:
@@ -214,7 +216,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request_id in self.block_tables:
             return 0
         bs, pool = self.block_size, self.pool
-        hashes, blocks, parent = [], [], root
+        hashes, keys, blocks, parent = [], [], [], root
         for index in range((len(token_ids) - 1) // bs):
             key = block_key(parent, token_ids, index, bs)
             block_hash = hash(key)
@@ -222,15 +224,40 @@ class KVCacheManager:
             if block is None:
                 break
             hashes.append(block_hash)
+            keys.append(key)
             blocks.append(block)
             parent = block_hash
+        window = None
+        while blocks and self.window is not None:  # as far as the window blocks its first query reads are cached
+            window = self._cached_window(hashes, keys, len(blocks))
+            if window is not None:
+                break
+            del blocks[-1], hashes[-1]
         if not blocks:
             return 0
         for block in blocks:
             pool.take(block)
         self.block_tables[request_id] = blocks
         self._block_hashes[request_id] = hashes
+        if window is not None:
+            first, found = window
+            for block in found:
+                self.window_pool.take(block)
+            self.window_tables[request_id] = [self.null_window_block] * first + found
+            self._window_released[request_id] = first
         return len(blocks) * bs
+
+    def _cached_window(self, hashes: list[int], keys: list[BlockKey], count: int) -> tuple[int, list[int]] | None:
+        """(the first, the window blocks) a request whose first ``count`` blocks are a hit reads from its first
+        computed position on, if all are cached; else None."""
+        first = max(0, count * self.block_size - self.window + 1) // self.block_size
+        found = []
+        for index in range(first, count):
+            block = self.window_pool.lookup(hashes[index], keys[index])
+            if block is None:
+                return None
+            found.append(block)
+        return first, found
 
     def cache_computed_blocks(self, request_id: str, token_ids: list[int], num_computed: int,
                               root: int = NO_PARENT) -> None:
@@ -239,11 +266,14 @@ class KVCacheManager:
         hashes = self._block_hashes.setdefault(request_id, [])
         bs, table, pool = self.block_size, self.block_tables[request_id], self.pool
         parent = hashes[-1] if hashes else root
+        window = self.window_tables.get(request_id) if self.window_pool is not None else None
         for index in range(len(hashes), num_computed // bs):
             key = block_key(parent, token_ids, index, bs)
             parent = hash(key)
             hashes.append(parent)
             pool.register(table[index], parent, key)
+            if window is not None and window[index] != self.null_window_block:  # (not given back already)
+                self.window_pool.register(window[index], parent, key)
 
     def num_hashed_blocks(self, request_id: str) -> int:
         return len(self._block_hashes.get(request_id, ()))
@@ -268,9 +298,11 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         if self.window_pool is not None:
             assert self.window_tables.keys() == self.block_tables.keys(), "a window table without a block table"
-            held = [block for rid, table in self.window_tables.items()
-                    for block in table[self._window_released.get(rid, 0):]]
-            assert len(held) == len(set(held)) == self.window_pool.num_used, "window blocks held != used"
+            held = Counter(block for rid, table in self.window_tables.items()
+                           for block in table[self._window_released.get(rid, 0):])
+            assert self.null_window_block not in held, "a held window entry names the scratch block"
+            assert all(self.window_pool.ref_count(block) == n for block, n in held.items()), "window ref counts"
+            assert len(held) == self.window_pool.num_used, "window blocks held != used"
             assert all(len(self.window_tables[rid]) == len(t) for rid, t in self.block_tables.items())
         pool = self.pool
         free, idle = list(pool._free), list(pool._cached_idle)

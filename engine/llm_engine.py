@@ -58,8 +58,6 @@ class LLMEngine:
         self.max_model_len, self._max_model_len_note = fit_to_pool(self.max_model_len, wanted,
                                                                    self.runner.num_kv_blocks, self.config.block_size)
         self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks, self.runner.kv_window)
-        if self.runner.kv_window is not None and self.config.enable_prefix_caching:
-            logger.info("prefix caching is off: the sliding-window layers keep only their windows' KV")
         self.request_maker = RequestMaker(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                           self.max_model_len, self._max_model_len_note,
                                           self.runner.sampler.constraints)

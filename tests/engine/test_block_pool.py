@@ -111,6 +111,29 @@ def test_check_invariants_detects_corruption():
         manager.check_invariants()
 
 
+def test_a_prefix_hits_only_as_far_as_its_window_is_cached():
+    """Sliding-window layers' blocks apart (window 8, blocks of 4, a window pool of 6): a cached prefix is a hit only
+    where the window blocks its first computed position reads are cached too; those given back and evicted end it."""
+    manager = KVCacheManager(64, 4, enable_prefix_caching=True, window=8, num_window_blocks=6)
+    tokens = list(range(7, 47))
+    assert manager.allocate("a", 16)
+    manager.cache_computed_blocks("a", tokens, 16)
+    assert manager.allocate("a", 32, start=16)  # gives back window blocks 0, 1 (positions 0-7), evicted for 2 new
+    manager.cache_computed_blocks("a", tokens, 32)
+    manager.check_invariants()
+    assert manager.window_tables["a"][:2] == [manager.null_window_block] * 2
+    # 12 tokens in common: the block tables' 3 blocks are cached, but position 12's window starts in block 1, gone
+    assert manager.match_prefix("b", tokens[:12] + [5] * 20) == 0 and "b" not in manager.block_tables
+    # 20 in common: position 20 reads window blocks 3 and 4, which "a" still holds
+    assert manager.match_prefix("c", tokens[:20] + [5] * 20) == 20
+    assert manager.window_tables["c"] == [manager.null_window_block] * 3 + manager.window_tables["a"][3:5]
+    manager.check_invariants()
+    manager.free("a")
+    manager.free("c")
+    manager.check_invariants()
+    assert manager.window_pool.num_used == manager.pool.num_used == 0
+
+
 # -- the real scheduler under random traffic, with a fake runner ---------------------------------------
 
 STOP_TOKEN = 5

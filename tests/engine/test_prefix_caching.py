@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from inflight.engine.block_pool import BlockPool, KVCacheManager
 from tests.checkpoints import hf_greedy
 from tests.engine.helpers import FIRST_BYTE_ID, generate_ids, greedy, make_engine
@@ -38,8 +40,10 @@ def run(model, prompts, max_tokens, **args):
     return ids, engine, checks
 
 
-def test_shared_prefixes_hit_the_cache_and_outputs_do_not_change(checkpoint):
-    path = checkpoint("llama")
+# gemma3: its sliding layers' KV apart (engine/block_pool.py); a hit needs their last window's blocks cached too
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_shared_prefixes_hit_the_cache_and_outputs_do_not_change(checkpoint, arch):
+    path = checkpoint(arch)
     prompts = shared_prefix_prompts(8)
     max_tokens = [6, 2, 9, 4, 7, 3, 5, 8]
     # max_num_seqs=2: later requests arrive after the first ones computed the shared blocks
@@ -58,9 +62,10 @@ def test_shared_prefixes_hit_the_cache_and_outputs_do_not_change(checkpoint):
     assert engine.num_steps < plain.num_steps  # less prefill work
 
 
-def test_caching_is_correct_under_preemption_and_chunking(checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])  # mistral: every layer slides
+def test_caching_is_correct_under_preemption_and_chunking(checkpoint, arch):
     """A pool too small for the batch: requests are preempted and come back to their cached blocks."""
-    path = checkpoint("qwen3")
+    path = checkpoint(arch)
     prompts = shared_prefix_prompts(6, seed=1)
     max_tokens = [12, 10, 11, 9, 12, 8]
     args = dict(block_size=4, num_kv_blocks=26, max_num_seqs=4, max_num_batched_tokens=12)
