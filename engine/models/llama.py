@@ -63,9 +63,6 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's norm: in float32, scaled by ``1 + weight`` (its files store the offset from one), then cast back
     (transformers' arithmetic); with ``residual``, the sum kept in the stream's dtype, as ``RMSNorm``'s."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x, x.dtype)
@@ -78,8 +75,9 @@ class GemmaRMSNorm(RMSNorm):
         return (x32 * (1.0 + self.weight.float())).to(dtype)
 
 
-def norm_class(cfg: ModelConfig):
-    return GemmaRMSNorm if cfg.gemma else RMSNorm
+def make_norm(cfg: ModelConfig, dim: int, ops=None) -> RMSNorm:
+    """The family's norm (``ops``: the backend's fused kernels, which Gemma's arithmetic does not take)."""
+    return GemmaRMSNorm(dim, cfg.rms_norm_eps) if cfg.gemma else RMSNorm(dim, cfg.rms_norm_eps, ops)
 
 
 class Attention(nn.Module):
@@ -90,8 +88,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = norm_class(cfg)(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.window, self.softcap = cfg.window(index), cfg.attention_softcap
         self.local_rope = cfg.sliding_rope is not None and self.window is not None  # rotates by sliding_rope
@@ -223,14 +221,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         ops = fused_ops(backend)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, ops)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, ops)
         if cfg.gemma:  # Gemma also norms each sublayer's output before it joins the stream
-            self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        else:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
         self.self_attn = Attention(cfg, backend, index)
         self.mlp = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg, ops)
         self.sandwich = cfg.gemma
@@ -264,8 +259,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, index) for index in range(cfg.num_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.gemma else \
-            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops(backend))
+        self.norm = make_norm(cfg, cfg.hidden_size, fused_ops(backend))
 
 
 class CausalLM(nn.Module):
