@@ -28,7 +28,7 @@ from inflight.engine.device import choose_dtype, resolve_device
 from inflight.engine.kv_budget import SharedBudget, count_kv_blocks
 from inflight.engine.models.cpu_decode import FusedDecode
 from inflight.engine.models.cpu_packing import pack_expert_weights, pack_linear_weights
-from inflight.engine.models.llama import CausalLM
+from inflight.engine.models.llama import CausalLM, Experts
 from inflight.engine.models.loader import build_model
 from inflight.engine.models.quantized import weight_bytes
 from inflight.engine.models.source import ModelSource
@@ -150,6 +150,10 @@ class ModelRunner:
         if shard is not None:
             self.heads, self.kv_heads = shard.heads, shard.kv_heads
         logger.info("model weights: %.1f MB in memory", weight_bytes(self.model) / 1e6)  # (quantized ones as kept)
+        if self.backend.name in ("triton", "flash_attn"):  # a GPU's kernels (Triton's interpreter on a CPU)
+            for module in self.model.modules():
+                if isinstance(module, Experts):
+                    module.use_triton()  # a MoE layer's experts in two grouped-GEMM launches
         if self.device.type == "cpu":
             pack_linear_weights(self.model)  # faster decode-sized matmuls (see cpu_packing.py)
             pack_expert_weights(self.model)  # a MoE layer's experts in one call (bf16)

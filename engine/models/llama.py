@@ -152,7 +152,8 @@ class Experts(nn.Module):
     """``num_experts`` SiLU MLPs as two stacked weights (transformers' layout: [experts, 2 x moe_intermediate,
     hidden] for gate and up, [experts, hidden, moe_intermediate] for down). ``kernel(rows, counts)``: every expert
     in one call of the CPU kernels on packed copies of the weights (``engine.models.cpu_packing.pack_expert_weights``
-    sets it for bf16 experts); else a loop over the experts in PyTorch (``loop``, also the kernel's reference)."""
+    sets it for bf16 experts), or in two grouped-GEMM launches of Triton (``use_triton``); else a loop over the
+    experts in PyTorch (``loop``, also the kernels' reference)."""
 
     kernel: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
 
@@ -178,6 +179,12 @@ class Experts(nn.Module):
             out = self.loop(rows, counts, self.gate_up_proj, self.down_proj)
         out *= weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    def use_triton(self) -> None:
+        """The experts through ``kernels.triton_moe`` (a GPU's Triton, or its interpreter on a CPU)."""
+        from inflight.kernels import triton_moe
+
+        self.kernel = lambda rows, counts: triton_moe.moe_experts(rows, counts, self.gate_up_proj, self.down_proj)
 
     @staticmethod
     def loop(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
