@@ -27,6 +27,8 @@ CASES = {
     "llama-uneven": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),
     "mixtral": ("mixtral", {}),
     "qwen3-moe": ("qwen3_moe", {}),
+    "gemma2": ("gemma2", {}),  # (its windows a mask under tensor parallelism: every layer's KV whole)
+    "gemma3": ("gemma3", {}),
 }
 PROMPT = [5, 17, 200, 33, 41, 99, 150, 7, 64, 128, 3, 250]
 NEW_TOKENS = 6
