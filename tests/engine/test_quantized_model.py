@@ -137,10 +137,11 @@ def test_the_real_model_kept_quantized_parts_from_the_dequantized_one_only_at_ne
     assert quantized_modules(kept) and not quantized_modules(exact)
     params = SamplingParams(max_tokens=32, temperature=0)
     identical = 0
-    for question in CHAT_QUESTIONS:
-        ids = kept.tokenizer.chat_prompt([{"role": "user", "content": question}])["prompt_token_ids"]
-        got = list(kept.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids)
-        want = list(exact.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids)
+    prompts = [kept.tokenizer.chat_prompt([{"role": "user", "content": q}])["prompt_token_ids"] for q in CHAT_QUESTIONS]
+    batch = [{"prompt_token_ids": ids} for ids in prompts]  # (each model's answers in one batch)
+    answers = zip(kept.generate(batch, params), exact.generate(batch, params))
+    for question, ids, (kept_answer, exact_answer) in zip(CHAT_QUESTIONS, prompts, answers):
+        got, want = list(kept_answer.outputs[0].token_ids), list(exact_answer.outputs[0].token_ids)
         if got == want:
             identical += 1
             continue
