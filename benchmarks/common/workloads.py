@@ -91,6 +91,21 @@ def _write_checkpoint(path: Path, seed: int) -> None:
     config = transformers.LlamaConfig(**MODEL_SHAPE)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(path)
+    _write_tokenizer(path)
+
+
+def write_shape(path: Path, config: dict[str, Any]) -> Path:
+    """A model directory with no weights: ``config`` (a Hugging Face config.json's keys; the vocabulary is this
+    tokenizer's) and the benchmark tokenizer, for ``load_format="dummy"``: any architecture's shape, at any size,
+    without transformers writing weights."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"vocab_size": VOCAB_SIZE, "bos_token_id": 1, "eos_token_id": 2,
+                                                  "torch_dtype": "bfloat16", **config}))
+    _write_tokenizer(path)
+    return path
+
+
+def _write_tokenizer(path: Path) -> None:
     build_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>", "unk_token": "<|unk|>"}))

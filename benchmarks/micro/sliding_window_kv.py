@@ -14,34 +14,28 @@ after each step the engine's block counts give the bytes held. Also: how many to
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.common.flags import positive_int
 from benchmarks.common.report import print_table, write_json
+from benchmarks.common.workloads import write_shape
 
 LAYERS, KV_HEADS, HEAD_DIM = 26, 4, 256  # Gemma-2-2B's attention
 
 
 def write_config(path: Path, family: str, window: int, max_len: int) -> Path:
-    from inflight.engine.models.demo_tiny import build_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    config = dict(architectures=["Gemma2ForCausalLM" if family == "gemma2" else "Gemma3ForCausalLM"], vocab_size=263, hidden_size=256, intermediate_size=512,
+    config = dict(architectures=["Gemma2ForCausalLM" if family == "gemma2" else "Gemma3ForCausalLM"],
+                  hidden_size=256, intermediate_size=512,
                   num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                   hidden_activation="gelu_pytorch_tanh", sliding_window=window, query_pre_attn_scalar=256,
                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=max_len,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                  torch_dtype="float32")
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
     if family == "gemma3":
         config.update(attn_logit_softcapping=None, final_logit_softcapping=None, rope_local_base_freq=10000.0,
                       rope_theta=1e6, sliding_window_pattern=6)
-    (path / "config.json").write_text(json.dumps(config))
-    build_tokenizer()._tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>"}))
-    return path
+    return write_shape(path, config)
 
 
 def run(family: str, window: int, windows: int, decode: int, chunk: int, budget_mb: int, slots: int) -> dict:
