@@ -186,7 +186,8 @@ class KVCacheManager:
 
     def _release_window(self, request_id: str, start: int) -> None:
         """Give back the window blocks before the one holding position ``start - window + 1``, the first any query
-        from ``start`` on sees (a step in flight reads no further back: it ends before ``start``)."""
+        from ``start`` on sees. (A step still in flight may read the last one given back; steps run in order, so
+        whoever gets it next writes it only after that step.)"""
         keep_from = max(0, start - self.window + 1) // self.block_size
         released = self._window_released.get(request_id, 0)
         if keep_from > released:

@@ -292,9 +292,9 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, arrays.positions, arrays.slots, arrays.tables, arrays.seq_lens)
         else:
             to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-            seq_lens = arrays.seq_lens.tolist()
-            layout = BatchLayout(query_lens=batch.query_lens, seq_lens=seq_lens, block_tables=to(arrays.tables),
-                                 slot_mapping=to(arrays.slots), block_size=self.block_size)
+            layout = BatchLayout(query_lens=batch.query_lens, seq_lens=arrays.seq_lens.tolist(),
+                                 block_tables=to(arrays.tables), slot_mapping=to(arrays.slots),
+                                 block_size=self.block_size)
             window_metadata = None
             if arrays.window_tables is not None:  # the sliding-window layers read their own caches' tables
                 window_metadata = self.backend.prepare(dataclasses.replace(
