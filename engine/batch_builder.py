@@ -15,11 +15,13 @@ if TYPE_CHECKING:
     from inflight.engine.request import Request
 
 
-def build_batch(requests: list[Request], counts: list[int], kv: KVCacheManager, with_prompt_work: bool) -> SchedulerOutput:
+def build_batch(requests: list[Request], counts: list[int], kv: KVCacheManager, with_prompt_work: bool,
+                long_rope: bool = False) -> SchedulerOutput:
     """Row i computes ``counts[i]`` tokens of ``requests[i]`` from its ``num_computed_tokens`` on: a prompt chunk,
     a decode (its input the token an in-flight step samples, when it has not landed: a placeholder), or a decode
     and its proposed tokens to verify (``spec_token_ids``). ``with_prompt_work``: some request may owe prompt
-    outputs or generate nothing (``PromptRow``s; cheaper to skip when none does)."""
+    outputs or generate nothing (``PromptRow``s; cheaper to skip when none does). ``long_rope``: a LongRoPE model,
+    whose rows say whether their prompts rotate long."""
     out = SchedulerOutput()
     add_id, add_input, extend_input = out.request_ids.append, out.input_token_ids.append, out.input_token_ids.extend
     add_query_len, add_start, add_sample = out.query_lens.append, out.start_positions.append, out.sample.append
@@ -54,6 +56,8 @@ def build_batch(requests: list[Request], counts: list[int], kv: KVCacheManager, 
     out.block_tables = list(map(list.copy, map(kv.block_tables.__getitem__, out.request_ids)))
     if kv.window is not None:
         out.window_tables = list(map(list.copy, map(kv.window_tables.__getitem__, out.request_ids)))
+    if long_rope:
+        out.long_rope = [request.long_rope for request in requests]
     if with_prompt_work:
         _add_prompt_rows(out, requests)
     return out

@@ -58,6 +58,7 @@ class LLMEngine:
         self.max_model_len, self._max_model_len_note = fit_to_pool(self.max_model_len, wanted,
                                                                    self.runner.num_kv_blocks, self.config.block_size)
         self.scheduler = make_scheduler(self.config, self.runner.num_kv_blocks, self.runner.kv_window)
+        self.scheduler.long_rope_length = self.model_config.long_rope_length
         self.request_maker = RequestMaker(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                           self.max_model_len, self._max_model_len_note,
                                           self.runner.sampler.constraints)
@@ -132,6 +133,10 @@ class LLMEngine:
             for request in requests:
                 request.metrics.predicted_ttft_s = predicted
         self._children[parent] = requests
+        long_length = self.model_config.long_rope_length
+        if long_length is not None and len(requests[0].prompt_token_ids) > long_length:
+            for request in requests:  # a LongRoPE model's long prompt: rotated long throughout
+                request.rotate_long()
         constraint = requests[0].params.structured_output
         if constraint is not None:  # compiled off the step loop; it joins the queue when its grammar is ready
             self._grammars.add(requests, constraint)

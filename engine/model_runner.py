@@ -415,8 +415,10 @@ class ModelRunner:
         query_lens = [len(ids) for ids in batch.token_ids]
         flat = list(itertools.chain.from_iterable(batch.token_ids))
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
-        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in query_lens])).to(self.device)
-        hidden = self.model(input_ids, positions, None, DensePrefillMetadata(query_lens))
+        long_length, offset = self.model_config.long_rope_length, self.model.rotary.long_offset
+        positions = torch.from_numpy(np.concatenate([  # (a LongRoPE prompt past its original length: rotated long)
+            np.arange(n) + (offset if long_length is not None and n > long_length else 0) for n in query_lens]))
+        hidden = self.model(input_ids, positions.to(self.device), None, DensePrefillMetadata(query_lens))
         outputs = prompt_outputs(self.model, hidden, flat, query_lens, dict(enumerate(batch.rows)))
         return [outputs[row] for row in range(len(query_lens))]
 
@@ -437,6 +439,8 @@ class ModelRunner:
         if batch.window_tables is not None:
             arrays.window_tables, arrays.window_slots = _tables_and_slots(
                 batch.window_tables, row_of_token, positions, bs, padding, self.window_scratch_slot)
+        if batch.long_rope is not None:  # a long prompt's rows look up LongRoPE's long tables (models/rope.py)
+            arrays.positions = positions + self.model.rotary.long_offset * np.asarray(batch.long_rope)[row_of_token]
         return arrays
 
 

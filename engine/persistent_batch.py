@@ -61,6 +61,8 @@ class PersistentBatch:
         self.tables: list[list[int]] = list(map(kv.block_tables.__getitem__, self.request_ids))
         self.window_tables: list[list[int]] | None = (list(map(kv.window_tables.__getitem__, self.request_ids))
                                                       if kv.window is not None else None)
+        # rows whose prompts rotate long (a LongRoPE model's: SchedulerOutput.long_rope), None where none does
+        self.long_rope: list[bool] | None = [r.long_rope for r in rows] if any(r.long_rope for r in rows) else None
         self.all_lists: list[list[int]] = list(map(_ALL, rows))
         self.output_lists: list[list[int]] = list(map(_OUTPUT, rows))
         self.params = list(map(_PARAMS, rows))  # what the sampler needs of each row: fixed for a request's life
@@ -125,7 +127,8 @@ class PersistentBatch:
             request_ids=list(request_ids), input_token_ids=inputs, query_lens=[1] * count,
             start_positions=starts, block_tables=list(map(list.copy, self.tables)), sample=[True] * count,
             padding=[False] * count, placeholder_rows=placeholder_rows,
-            window_tables=list(map(list.copy, self.window_tables)) if self.window_tables is not None else None)
+            window_tables=list(map(list.copy, self.window_tables)) if self.window_tables is not None else None,
+            long_rope=self.long_rope)
         self.num_pending = num_pending = num_pending + 1
         consume(map(setattr, self.rows, repeat("num_computed_tokens"), ends))
         consume(map(setattr, self.rows, repeat("num_pending_tokens"), repeat(num_pending, count)))

@@ -50,14 +50,14 @@ class Preemption:
 
         self.recompute_seconds = recompute_seconds
 
-    def release(self, request: Request, kv: KVCacheManager) -> None:
+    def release(self, request: Request, kv: KVCacheManager, recompute: bool = False) -> None:
         """Free a preempted request's device blocks, its computed KV first copied to host blocks if it should be
-        swapped (``request.swapped_blocks``), else dropped to be recomputed from position 0."""
+        swapped (``request.swapped_blocks``), else (or with ``recompute``) dropped to be recomputed from position 0."""
         self.num_preemptions += 1
         request.metrics.num_preemptions += 1
         # only the blocks holding computed KV are worth copying
         table = kv.block_tables.get(request.request_id, [])[:kv.num_blocks_for(request.num_computed_tokens)]
-        if self._should_swap(request, len(table)):
+        if not recompute and self._should_swap(request, len(table)):
             host = self.swap_pool.allocate(len(table))
             self._swap_out.extend(zip(table, host))
             self.num_swapped_out_blocks += len(table)

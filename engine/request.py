@@ -77,7 +77,7 @@ class Request:
         "eos_token_ids", "stop_ids", "continued_text_len", "logprobs", "reports_at_end",
         "static_padding", "swapped_blocks", "aged", "prompt_logprobs", "pool", "pooled_sum",
         "has_prompt_work", "sent_first_output", "cache_root",
-        "spec_token_ids", "spec_state", "spec_acceptance",
+        "spec_token_ids", "spec_state", "spec_acceptance", "long_rope",
     )
 
     def __init__(
@@ -109,6 +109,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0  # sampled by scheduled steps, not yet appended (async scheduling: up to 1)
         self.cache_root = salted_root(request_salt(params.cache_salt, params.tenant))  # prefix-cache hashes start here
+        self.long_rope = False  # a LongRoPE model's sequence past its original length: rotated long (models/rope.py)
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
@@ -163,6 +164,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def rotate_long(self) -> None:
+        """From now on its KV is rotated by LongRoPE's long factors: a prefix cache of its own (such KV is not a
+        short sequence's)."""
+        self.long_rope = True
+        self.cache_root = hash((self.cache_root, "long rope"))
 
     @property
     def num_prompt_tokens(self) -> int:

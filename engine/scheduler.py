@@ -47,6 +47,9 @@ class Scheduler(SchedulerState):
         self.num_appended: dict[str, int] = {}  # the latest update's requests that got several tokens: how many
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache at admission
         self.num_prefix_hit_tokens = 0  # of those, found there (not computed again)
+        # A LongRoPE model's original length (set by the engine): batches say which rows rotate long, and a
+        # sequence that grows past it is recomputed long (engine/models/rope.py)
+        self.long_rope_length: int | None = None
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -76,7 +79,7 @@ class Scheduler(SchedulerState):
         return out
 
     def _build_batch(self, requests: list[Request], counts: list[int]) -> SchedulerOutput:
-        out = build_batch(requests, counts, self.kv, bool(self._num_with_prompt_work))
+        out = build_batch(requests, counts, self.kv, bool(self._num_with_prompt_work), self.long_rope_length is not None)
         if self._ended_with_state and requests:
             out.ended_ids = self.take_ended_with_state()
         if requests and self.preemption.has_copies:
@@ -90,6 +93,9 @@ class Scheduler(SchedulerState):
         be admitted, prompt work, proposals, fair-share counters, state or KV copies to hand over), and every row
         still decodes one token whose block is there or can be had without preempting. Else None."""
         rows = self.kept.rows_if_unchanged(self._running_changes)
+        if rows is not None and self.long_rope_length is not None and any(
+                not r.long_rope and len(r.all_token_ids) + r.num_pending_tokens > self.long_rope_length for r in rows):
+            return None  # a row grows past LongRoPE's original length: the general path recomputes it long
         if (rows is None or self.speculative or self.policy.fair or self._num_with_prompt_work
                 or self._ended_with_state or self.preemption.has_copies or len(rows) > self.config.max_num_batched_tokens):
             return None
@@ -115,16 +121,23 @@ class Scheduler(SchedulerState):
         tables, block_size = self.kv.block_tables, self.kv.block_size
         running_status = RequestStatus.RUNNING
         speculative = self.speculative
-        decoding, prefilling = [], []
+        decoding, prefilling, crossing = [], [], []
+        long_length = self.long_rope_length
         for request in self.running:
             known = len(request.all_token_ids) + request.num_pending_tokens  # pending: sampled by an in-flight step
             if request.num_pending_tokens and known >= request.max_total_tokens:
                 continue  # its last token is in flight: it ends when that lands
+            if long_length is not None and known > long_length and not request.long_rope:
+                crossing.append(request)  # LongRoPE: past the original length every position is rotated long
+                continue
             left = known - request.num_computed_tokens
             if left == 1:
                 decoding.append(request)
             elif left > 1:
                 prefilling.append(request)
+        for request in crossing:  # its KV, rotated short, is dropped and computed again long, as transformers does
+            request.rotate_long()
+            self._preempt(request, recompute=True)
         now = time.time()
         for request in decoding:
             if request.status is not running_status or budget == 0:
@@ -230,12 +243,12 @@ class Scheduler(SchedulerState):
             need += max(0, kv.num_blocks_for(target) - held)
         return need
 
-    def _preempt(self, request: Request) -> None:
-        """Take the request's slot and blocks (its KV swapped out or dropped: ``Preemption``), back to the queue at
-        its arrival position, so the fcfs queue stays in arrival order."""
+    def _preempt(self, request: Request, recompute: bool = False) -> None:
+        """Take the request's slot and blocks (its KV swapped out or dropped: ``Preemption``; ``recompute``: dropped),
+        back to the queue at its arrival position, so the fcfs queue stays in arrival order."""
         self.running.remove(request)
         self._running_changed()
-        self.preemption.release(request, self.kv)
+        self.preemption.release(request, self.kv, recompute)
         request.status = RequestStatus.WAITING
         order = request.arrival_order
         index = next((i for i, r in enumerate(self.waiting) if r.arrival_order > order), len(self.waiting))

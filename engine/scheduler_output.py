@@ -38,6 +38,8 @@ class SchedulerOutput:
     block_tables: list[list[int]] = field(default_factory=list)  # copies, as of scheduling: never the live lists
     # The rows' window tables (block_pool.py: a model's sliding-window layers' KV), or None: no such layers apart
     window_tables: list[list[int]] | None = None
+    # A LongRoPE model's rows: whether each request's prompt is rotated long throughout (engine/models/rope.py)
+    long_rope: list[bool] | None = None
     sample: list[bool] = field(default_factory=list)
     padding: list[bool] = field(default_factory=list)
     # KV copies the runner makes before the forward, outs first: (device block, host block) pairs leaving

@@ -92,5 +92,7 @@ def _add_padding_row(out: SchedulerOutput, request: Request, kv: KVCacheManager)
     out.block_tables.append(list(kv.block_tables[request.request_id]))
     if out.window_tables is not None:
         out.window_tables.append(list(kv.window_tables[request.request_id]))
+    if out.long_rope is not None:
+        out.long_rope.append(request.long_rope)
     out.sample.append(False)
     out.padding.append(True)

@@ -1,3 +1,4 @@
+import hashlib
 import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray >= 2.59 turns token auth on for local clusters
@@ -32,6 +33,7 @@ def checkpoint(tmp_path_factory):
         key = (arch, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
         if key not in cache:
             name = "-".join([arch, *(f"{k}{v}" for k, v in key[1])]).replace("/", "_").replace(".", "_")
+            name = name if len(name) <= 80 else f"{name[:60]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
             cache[key] = make_checkpoint(root / f"{len(cache)}-{name}", arch, **kwargs)
         return cache[key]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,12 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.vocab_size * self.hidden_size + self.num_layers * layer + mlps + self.hidden_size + head
 
+    @property
+    def long_rope_length(self) -> int | None:
+        """LongRoPE's original length (engine/models/rope.py): a prompt longer than it is rotated long throughout."""
+        scaling = self.rope_scaling
+        return scaling["original_max_position_embeddings"] if scaling and scaling["rope_type"] == "longrope" else None
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
@@ -120,6 +127,8 @@ class ModelConfig:
         if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial_rotary_factor != 1 (RoPE on part of each head) is not supported")
         rope_theta, rope_scaling = _rope(rope, hf.get("rope_theta", family.rope_theta))
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            rope_scaling = _longrope(rope_scaling, hf)
         sliding_rope = None
         if local or "rope_local_base_freq" in hf:
             sliding_rope = _rope(local, hf.get("rope_local_base_freq", 10000.0))
@@ -182,6 +191,19 @@ def _rope(params: dict[str, Any], default_theta: float) -> tuple[float, dict[str
         raise ValueError("partial_rotary_factor != 1 (RoPE on part of each head) is not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
     return theta, None if rope_type == "default" else {**params, "rope_type": rope_type}
+
+
+def _longrope(scaling: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's parameters as transformers reads them: the original length (in the rope parameters or beside
+    them), and the attention factor (given, else from the length's factor as the paper suggests)."""
+    original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if not original or "short_factor" not in scaling or "long_factor" not in scaling:
+        raise ValueError("rope_scaling: longrope needs short_factor, long_factor and original_max_position_embeddings")
+    factor = scaling.get("factor") or hf.get("max_position_embeddings", original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {**scaling, "original_max_position_embeddings": int(original), "attention_factor": float(attention)}
 
 
 def _sliding_layers(hf: dict[str, Any], family: Family, num_layers: int) -> tuple[int, ...]:

@@ -1,4 +1,12 @@
-"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama), with llama3 and linear scaling."""
+"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama), with llama3, linear and longrope scaling.
+
+LongRoPE (Phi-3's 128k models): inverse frequencies divided by a short factor per dimension while a sequence is within
+``original_max_position_embeddings``, by a long one once it is longer, and cos/sin scaled by an attention factor.
+As transformers does, a sequence longer than that is rotated long throughout: a prompt from the start, and a shorter
+one that grows past it is computed again, long (``Scheduler._pick``). So the tables hold two runs of rows, short
+``[0, max_positions)`` and long ``[max_positions, 2 x max_positions)``; a long sequence's tokens look up the second
+(``RotaryEmbedding.long_offset``, added to their positions by the model runner).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,10 @@ from typing import Any
 import torch
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, long: bool = False) -> torch.Tensor:
+    """``long``: longrope's long factors (else its short ones)."""
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** shape)
     if scaling is None:
         return inv_freq
     rope_type = scaling["rope_type"]
@@ -17,7 +27,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type == "longrope":  # (transformers' expression, for its bits)
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** shape)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, longrope)")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -42,19 +55,29 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
-        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        longrope = scaling is not None and scaling["rope_type"] == "longrope"
+        # longrope: where a long prompt's rows start (module docstring); None: one run of rows
+        self.long_offset = max_positions if longrope else None
+        rows = 2 * max_positions if longrope else max_positions
+        self.register_buffer("cos", torch.empty(rows, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(rows, head_dim // 2), persistent=False)
         self.reset_tables()
 
     def reset_tables(self) -> None:
         """(Re)compute the tables, in float32, on the buffers' device (after ``to_empty`` too)."""
         if self.cos.is_meta:
             return
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(self.cos.device)
-        positions = torch.arange(self.max_positions, dtype=torch.float32, device=self.cos.device)
+        device = self.cos.device
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        scale = 1.0
+        if self.long_offset is not None:
+            long_freqs = positions[:, None] * rope_inv_freq(self.head_dim, self.theta, self.scaling, long=True).to(device)
+            freqs = torch.cat((freqs, long_freqs))
+            scale = self.scaling["attention_factor"]
+        self.cos = freqs.cos() * scale
+        self.sin = freqs.sin() * scale
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the step's positions, [num_tokens, 1, head_dim / 2]: looked up once, used by every layer."""
