@@ -99,8 +99,8 @@ class ModelRunner:
                  shared: SharedBudget | None = None, parallel: TensorParallel | None = None,
                  window_kv: bool = True) -> None:
         """``window_kv``: keep the sliding-window layers' KV apart, only their windows (block_pool.py), where the
-        model has such layers; not under tensor parallelism yet (the step channel carries one table a row), nor
-        for a draft model (its KV follows the target's block tables)."""
+        model has such layers; not under tensor parallelism yet (every rank would have to size its window caches
+        alike, as it does its block tables), nor for a draft model (its KV follows the target's block tables)."""
         self.config = config
         self.shared = shared
         self.window_kv = window_kv and parallel is None and config.tensor_parallel_size == 1
