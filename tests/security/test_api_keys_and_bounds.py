@@ -125,24 +125,30 @@ def test_tenants_never_share_cached_prompt_blocks(secure_app):
     whether someone sent it); the router salts by the key's tenant, not by anything the client sends."""
     prompt = "A shared system prompt that is long enough to fill several KV blocks of sixteen tokens. " * 3
 
-    def hits(key):
+    def counters(key):  # (hit tokens, looked-up tokens) as the replicas last reported them
         stats = httpx.get(secure_app + "/stats", headers=bearer(key), timeout=10.0).json()
-        return sum(r["prefix_cache_hit_tokens"] for r in stats["replicas"])
+        return tuple(sum(r[name] for r in stats["replicas"])
+                     for name in ("prefix_cache_hit_tokens", "prefix_cache_query_tokens"))
 
-    def send(key):
+    def sent(key, before):
+        """Send the prompt; the counters once the replicas have reported it (a report from before it may still be
+        the router's latest when the answer comes)."""
         body = {**COMPLETION, "prompt": prompt}
         response = httpx.post(secure_app + "/v1/completions", json=body, headers=bearer(key), timeout=60.0)
         assert response.status_code == 200, response.text
+        deadline = time.monotonic() + 10
+        while (now := counters(key))[1] <= before[1]:
+            assert time.monotonic() < deadline, "the replicas never reported the request"
+            time.sleep(0.1)
+        return now
 
     a, b = KEYS["tenant-a"], KEYS["tenant-b"]
-    send(a)
-    start = hits(a)
-    send(b)
-    assert hits(a) == start, "tenant b must not hit tenant a's blocks"
-    send(a)
-    assert hits(a) >= start + 64, "tenant a hits its own blocks"
-    send(b)
-    assert hits(a) >= start + 128, "and tenant b its own"
+    start = sent(a, counters(a))
+    after_b = sent(b, start)
+    assert after_b[0] == start[0], "tenant b must not hit tenant a's blocks"
+    after_a = sent(a, after_b)
+    assert after_a[0] >= start[0] + 64, "tenant a hits its own blocks"
+    assert sent(b, after_a)[0] >= start[0] + 128, "and tenant b its own"
 
 
 def test_a_tenants_limits_give_429_with_a_retry_after_that_works(secure_app):
