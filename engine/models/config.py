@@ -22,6 +22,7 @@ class Family:
     gemma: bool = False  # Gemma's decoder: GELU-tanh, (1 + weight) norms, four norms a layer, embeddings x sqrt(hidden)
     attention_softcap: bool = False  # reads attn_logit_softcapping (Gemma 2; Gemma 3's attention ignores it)
     rope_theta: float = 10000.0  # where the config names none (Gemma 3's global layers: 1e6)
+    longrope_names: tuple[str, ...] = ()  # older names of its rope_type for LongRoPE (Phi-3's "su" and "yarn")
 
 
 # The one registry: an architecture name (config.json's ``architectures``) -> its family.
@@ -31,7 +32,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family(qkv_bias=True, sliding_window_flag="use_sliding_window",
                                sliding_layers="max_window_layers"),
     "Qwen3ForCausalLM": Family(qk_norm=True, sliding_window_flag="use_sliding_window", sliding_layers="max_window_layers"),
-    "Phi3ForCausalLM": Family(),  # its files hold q/k/v and gate/up fused already, in our order
+    "Phi3ForCausalLM": Family(longrope_names=("su", "yarn")),  # its files hold q/k/v and gate/up fused, our order
     "MixtralForCausalLM": Family(moe=True, renormalizes_top_k=True),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe=True, sliding_window_flag="use_sliding_window"),
     "Gemma2ForCausalLM": Family(gemma=True, attention_softcap=True, sliding_layers="pattern", sliding_pattern=2),
@@ -127,8 +128,8 @@ class ModelConfig:
         if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial_rotary_factor != 1 (RoPE on part of each head) is not supported")
         rope_theta, rope_scaling = _rope(rope, hf.get("rope_theta", family.rope_theta))
-        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
-            rope_scaling = _longrope(rope_scaling, hf)
+        if rope_scaling is not None and rope_scaling["rope_type"] in ("longrope", *family.longrope_names):
+            rope_scaling = _longrope({**rope_scaling, "rope_type": "longrope"}, hf)
         sliding_rope = None
         if local or "rope_local_base_freq" in hf:
             sliding_rope = _rope(local, hf.get("rope_local_base_freq", 10000.0))

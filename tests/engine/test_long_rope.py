@@ -41,6 +41,9 @@ def test_the_config_reads_longrope_as_transformers_does():
     factor = cfg.rope_scaling["attention_factor"]
     torch.testing.assert_close(rotary.cos[5], (5 * short).cos() * factor)  # a sequence within the original length
     torch.testing.assert_close(rotary.cos[64 + 5], (5 * long).cos() * factor)  # a longer one's rows: long throughout
+    older = {**hf_config("phi3", **longrope()).to_dict(), "architectures": ["Phi3ForCausalLM"]}
+    older["rope_parameters"] = {**older["rope_parameters"], "rope_type": "su"}  # (Phi-3's first files)
+    assert ModelConfig.from_hf(older).rope_scaling == cfg.rope_scaling
     broken = {**hf_config("phi3").to_dict(), "architectures": ["Phi3ForCausalLM"],
               "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8}}
     with pytest.raises(ValueError, match="longrope needs short_factor, long_factor"):
