@@ -10,8 +10,9 @@ in multiples of 16, torch's path otherwise). Storing K/V and the model's norms, 
 single-pass kernels (``elementwise_ops``).
 
 The PyTorch decode reads masked slots (weighted by zero), so its ``store_kv`` keeps the cache finite;
-nothing here reads a slot past a row's length, so the kernels store K/V as they are. The kernels have no sliding
-window or soft-capping: a layer with either (Gemma's, Mistral's) attends through the PyTorch paths.
+nothing here reads a slot past a row's length, so the kernels store K/V as they are. A sliding-window or soft-capped
+layer (Gemma's, Mistral's) decodes through the kernel too (it starts at the window's first block); its prompt
+chunks take the PyTorch paths (the causal kernel has neither).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _decode(self, query, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if window is not None or softcap is not None or not cpu_kernels.decode_attention_supports(query.shape[-1]):
+        if not cpu_kernels.decode_attention_supports(query.shape[-1]):
             return super()._decode(query, k_cache, v_cache, metadata, scale, window, softcap)  # torch's split-KV
         return cpu_kernels.paged_decode_attention(query, k_cache, v_cache, metadata.decode_tables,
-                                                  metadata.decode_seq_lens, scale)
+                                                  metadata.decode_seq_lens, scale, window, softcap)

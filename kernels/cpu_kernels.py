@@ -117,7 +117,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
         "causal_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, i32],
-        "paged_decode_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32],
+        "paged_decode_attention": [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32, i64, f32],
         "rms_norm": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32],
         "silu_and_mul": [ptr, ptr, i64, i64, i64, i32],
         "rope": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
@@ -229,12 +229,15 @@ def decode_attention_supports(head_dim: int) -> bool:
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One query token per row against its paged context, read in place.
 
     query [num_rows, num_heads, head_dim]; caches [num_kv_heads, num_blocks, block_size, head_dim], all float32 or
     all bfloat16 (head_dim a multiple of 16 up to 256, see ``decode_attention_supports``); block_tables [num_rows,
-    max_blocks] int64; seq_lens [num_rows] int64 (>= 1). Returns like query.
+    max_blocks] int64; seq_lens [num_rows] int64 (>= 1). ``window``: each row sees its last ``window`` keys (no
+    block before the window's first is read); ``softcap``: scores capped to ``cap * tanh(score / cap)``. Returns
+    like query.
     """
     kernel = _kernel("paged_decode_attention", query, k_cache, v_cache)
     _check_index(block_tables, seq_lens)
@@ -250,7 +253,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     kernel(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-        scale, torch.get_num_threads())
+        scale, torch.get_num_threads(), window or 0, softcap or 0.0)
     return out
 
 

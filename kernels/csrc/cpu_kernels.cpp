@@ -218,6 +218,18 @@ static inline void softmax_rows(float* __restrict scores, int64_t rows, int64_t 
     for (int64_t r = 0; r < rows; ++r) inv_sum[r] = 1.f / exp_in_place(scores + r * n, n);
 }
 
+// Between passes 1 and 2, for a sliding-window or soft-capped layer (Gemma, Mistral): each score capped to
+// softcap * tanh(score / softcap) (softcap > 0), then the first ``hidden`` keys (the part of the window's first
+// block before the window) hidden. Every row keeps a visible key: its own.
+static void window_and_cap(float* __restrict scores, int64_t rows, int64_t n, int64_t hidden, float softcap) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float* row = scores + r * n;
+        if (softcap > 0.f)
+            for (int64_t t = 0; t < n; ++t) row[t] = softcap * std::tanh(row[t] / softcap);
+        for (int64_t t = 0; t < hidden; ++t) row[t] = -INFINITY;
+    }
+}
+
 #if INFLIGHT_BF16_DOT
 // Pass 1 of decode_task in bf16 on dot products: scores[g, t] = scale * q_g . k_t, 32 dimensions of a key per
 // vdpbf16ps (half the instructions of widening and fusing multiply-adds), then summed as sum_each sums VL keys.
@@ -358,7 +370,7 @@ template <int HEAD_DIM, class T>
 static void decode_task(const T* __restrict query, const T* __restrict k_head,
                         const T* __restrict v_head, const int64_t* __restrict table, int64_t seq_len,
                         T* __restrict out, int64_t group, int64_t runtime_head_dim, int64_t block_size,
-                        float scale, float* __restrict scores, float* __restrict acc) {
+                        float scale, float* __restrict scores, float* __restrict acc, int64_t hidden, float softcap) {
     static_assert(HEAD_DIM % 16 == 0 && 16 % VL == 0, "whole vectors per key");
     const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
     const int V = static_cast<int>(head_dim / VL);
@@ -373,6 +385,7 @@ static void decode_task(const T* __restrict query, const T* __restrict k_head,
     if constexpr (sizeof(T) == sizeof(bf16)) {
         if (head_dim % 32 == 0) {
             decode_scores_dot<HEAD_DIM>(query, k_head, v_head, table, seq_len, group, head_dim, block_size, scale, scores);
+            if (hidden > 0 || softcap > 0.f) window_and_cap(scores, group, seq_len, hidden, softcap);
             softmax_rows(scores, group, seq_len, inv_sum);
             thread_local std::vector<bf16> probs;
             probs.resize(group * seq_len);
@@ -410,6 +423,7 @@ static void decode_task(const T* __restrict query, const T* __restrict k_head,
             }
         }
     }
+    if (hidden > 0 || softcap > 0.f) window_and_cap(scores, group, seq_len, hidden, softcap);
     softmax_rows(scores, group, seq_len, inv_sum);
     // pass 3: out_g = sum_t p[g, t] v_t, a block of V at a time for every query head of the group
     std::fill_n(acc, group * head_dim, 0.f);
@@ -800,13 +814,14 @@ static void causal_attention(const T* query, const T* key, const T* value, T* ou
 // k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim] float32, contiguous.
 // block_tables: [num_rows, table_stride] int64; seq_lens: [num_rows] int64 (keys visible to each row).
 // Query heads per kv head (num_heads / num_kv_heads) must be at most 64; head_dim a multiple of 16 up to 256
-// (the caller checks: other sizes return without writing).
+// (the caller checks: other sizes return without writing). window > 0: each row sees its last ``window`` keys only
+// (the walk starts at the window's first block; blocks before it are never read); softcap > 0: scores capped.
 template <class T>
 static void paged_decode_attention(const T* query, const T* k_cache, const T* v_cache,
                                 const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
                                 T* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
-                                int num_threads) {
+                                int num_threads, int64_t window = 0, float softcap = 0.f) {
     if (head_dim <= 0 || head_dim > 256 || head_dim % 16 != 0) return;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_tasks = num_rows * num_kv_heads;
@@ -820,7 +835,15 @@ static void paged_decode_attention(const T* query, const T* k_cache, const T* v_
         for (int64_t task = 0; task < num_tasks; ++task) {
             const int64_t row = task / num_kv_heads;
             const int64_t kv_head = task % num_kv_heads;
-            const int64_t seq_len = seq_lens[row];
+            int64_t seq_len = seq_lens[row];
+            const int64_t* table = block_tables + row * table_stride;
+            int64_t hidden = 0;  // keys of the window's first block before the window
+            if (window > 0 && seq_len > window) {
+                const int64_t skipped = (seq_len - window) / block_size;  // whole blocks before the window
+                table += skipped;
+                seq_len -= skipped * block_size;
+                hidden = seq_len - window;
+            }
             const int64_t offset = (row * num_heads + kv_head * group) * head_dim;  // the group's first head
             if (seq_len <= 0) {  // nothing visible (the engine never sends such a row): a zero output, not UB
                 std::fill_n(out + offset, group * head_dim, T{});
@@ -829,10 +852,9 @@ static void paged_decode_attention(const T* query, const T* k_cache, const T* v_
             scores.resize(group * seq_len);
             const T* k_head = k_cache + kv_head * head_stride;
             const T* v_head = v_cache + kv_head * head_stride;
-            const int64_t* table = block_tables + row * table_stride;
             auto run = [&](auto task_fn) {
                 task_fn(query + offset, k_head, v_head, table, seq_len, out + offset, group, head_dim, block_size,
-                        scale, scores.data(), acc.data());
+                        scale, scores.data(), acc.data(), hidden, softcap);
             };
             switch (head_dim) {
                 case 32: run(decode_task<32, T>); break;
@@ -1132,9 +1154,10 @@ int bf16_dot_products() { return INFLIGHT_BF16_DOT; }
                                          const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens, \
                                          T* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,        \
                                          int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,    \
-                                         int num_threads) {                                                        \
+                                         int num_threads, int64_t window, float softcap) {                         \
         paged_decode_attention<T>(query, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_rows,    \
-                                  num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, num_threads);  \
+                                  num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, num_threads,   \
+                                  window, softcap);                                                                \
     }                                                                                                              \
     void rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, T* out, int64_t num_tokens, int64_t hidden,   \
                            int64_t stride_x, int64_t stride_r, int64_t stride_o, float eps, int num_threads) {     \

@@ -143,6 +143,25 @@ def test_decode_kernel_matches_torch_decode_and_dense(num_kv_heads, head_dim, bs
     assert torch.equal(ctx.k_cache, k_before) and torch.equal(ctx.v_cache, v_before)  # read only
 
 
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (17, None), (None, 2.0), (5, 2.0)])
+def test_decode_kernel_attends_through_a_window_and_caps_scores(window, softcap, lanes):
+    """Gemma's and Mistral's decode: each row sees its last ``window`` keys only (windows within a block and across
+    blocks of 16), scores capped first; a window block before the window's first holds NaN, which must not show."""
+    ctx = PagedContext(decode_seq_lens(16), 2, 64, 16, seed=window or 11)
+    ctx.write_all()
+    for row, seq_len in enumerate(ctx.seq_lens):  # blocks wholly before a row's window: given back, never read
+        for block in ctx.tables[row][:max(0, seq_len - (window or seq_len)) // 16]:
+            ctx.k_cache[:, block] = float("nan")
+            ctx.v_cache[:, block] = float("nan")
+    query = randn(len(ctx.seq_lens), NUM_HEADS, 64, seed=12) * 3
+    got = cpu_kernels.paged_decode_attention(query, ctx.k_cache, ctx.v_cache, ctx.block_tables,
+                                             torch.tensor(ctx.seq_lens), 0.125, window, softcap)
+    want = torch.cat([naive_attention(query[r:r + 1], ctx.keys[r], ctx.values[r], torch.tensor([s - 1]), 0.125,
+                                      window, softcap) for r, s in enumerate(ctx.seq_lens)])
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_kernel_never_reads_past_a_row_length(lanes):
     """Slots past each row's length (its last block's tail, the padding columns' block 0, spare blocks)
     hold NaN: the kernel's output must still equal the dense attention, finite."""

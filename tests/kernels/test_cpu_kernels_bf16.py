@@ -50,17 +50,18 @@ def randn(*shape, seed, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, 2.0)])  # (Gemma's layers: a window, capped scores)
 @pytest.mark.parametrize("head_dim", [32, 48, 64])
 @pytest.mark.parametrize("num_kv_heads", [4, 1])
-def test_decode_attention(num_kv_heads, head_dim, lanes):
+def test_decode_attention(num_kv_heads, head_dim, window, softcap, lanes):
     ctx = PagedContext(decode_seq_lens(16), num_kv_heads, head_dim, 16, seed=3)
     ctx.write_all()
     query = bf16(randn(len(ctx.seq_lens), 8, head_dim, seed=4))
     k_cache, v_cache = bf16(ctx.k_cache), bf16(ctx.v_cache)
     lens = torch.tensor(ctx.seq_lens)
-    got = cpu_kernels.paged_decode_attention(query, k_cache, v_cache, ctx.block_tables, lens, 0.125)
+    got = cpu_kernels.paged_decode_attention(query, k_cache, v_cache, ctx.block_tables, lens, 0.125, window, softcap)
     want = cpu_kernels.paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), ctx.block_tables,
-                                              lens, 0.125)
+                                              lens, 0.125, window, softcap)
     if cpu_kernels.bf16_dot_products() and head_dim % 32 == 0:  # scores on dot products: another order of sums
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
