@@ -20,6 +20,12 @@ BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's tok
 NO_PARENT = 0  # the first block's parent
 
 
+def long_rope_root(root: int) -> int:
+    """The root of a LongRoPE sequence rotated long (engine/models/rope.py) whose short twin chains from ``root``:
+    its KV is another, so its blocks must not meet the short ones'. A tuple of ints: the same in every process."""
+    return hash((root, 1))
+
+
 def block_key(parent: int, token_ids: Sequence[int], index: int, block_size: int) -> BlockKey:
     """The key of block ``index`` of ``token_ids`` (a full block) whose predecessor's hash is ``parent``."""
     return parent, tuple(token_ids[index * block_size:(index + 1) * block_size])

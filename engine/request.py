@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from inflight.engine.block_hash import request_salt, salted_root
+from inflight.engine.block_hash import long_rope_root, request_salt, salted_root
 from inflight.engine.outputs import FinishReason, RequestMetrics
 from inflight.engine.sampling_params import SamplingParams
 
@@ -169,7 +169,7 @@ class Request:
         """From now on its KV is rotated by LongRoPE's long factors: a prefix cache of its own (such KV is not a
         short sequence's)."""
         self.long_rope = True
-        self.cache_root = hash((self.cache_root, "long rope"))
+        self.cache_root = long_rope_root(self.cache_root)
 
     @property
     def num_prompt_tokens(self) -> int:
