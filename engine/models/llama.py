@@ -54,9 +54,12 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Hugging Face's arithmetic for half precision: normalise in float32, cast back, then scale.
+        return self.weight * self._normalized32(x).to(x.dtype)
+
+    def _normalized32(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in float32 divided by its root mean square (before any weight)."""
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -70,9 +73,7 @@ class GemmaRMSNorm(RMSNorm):
         return self._norm(total, x.dtype), total
 
     def _norm(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(dtype)
+        return (self._normalized32(x) * (1.0 + self.weight.float())).to(dtype)
 
 
 def make_norm(cfg: ModelConfig, dim: int, ops=None) -> RMSNorm:
