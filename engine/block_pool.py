@@ -15,7 +15,8 @@ the hash and compared on a hit, so a hash collision cannot hand out the wrong KV
 Sliding-window layers (``ModelConfig.window``: Gemma's every other or five of six, Mistral's every one) read only a
 request's last ``window`` positions, so their KV lives apart: a pool of its own (the window caches, sized by
 ``kv_budget``) and a window table per request beside its block table, entry for entry. A window block that no query
-from the request's next step on can read is given back at once (``allocate``'s ``start``); its entry then holds
+from the request's next step on can read is given back when the request next takes a block (``allocate``'s
+``start``; a decoding row thus holds at most one block more than its window); its entry then holds
 ``null_window_block``, the window caches' scratch block, which no kernel reads (they start at the window). Prefix
 caching covers both: a window block is hashed with its block tables' twin (while the request still holds it; one
 given back stays findable until evicted), and a prefix is a hit only as far as the window blocks its first

@@ -173,7 +173,7 @@ class Scheduler(SchedulerState):
         if num_new > budget:
             num_new = budget
         table = tables.get(request.request_id)
-        if table is not None and computed + num_new <= len(table) * block_size and self.kv.window is None:
+        if table is not None and computed + num_new <= len(table) * block_size:
             scheduled[request] = num_new  # its blocks hold these tokens already: no allocate
             return budget - num_new
         while not self.kv.allocate(request.request_id, computed + num_new, start=computed):
