@@ -133,10 +133,6 @@ class LLMEngine:
             for request in requests:
                 request.metrics.predicted_ttft_s = predicted
         self._children[parent] = requests
-        long_length = self.model_config.long_rope_length
-        if long_length is not None and len(requests[0].prompt_token_ids) > long_length:
-            for request in requests:  # a LongRoPE model's long prompt: rotated long throughout
-                request.rotate_long()
         constraint = requests[0].params.structured_output
         if constraint is not None:  # compiled off the step loop; it joins the queue when its grammar is ready
             self._grammars.add(requests, constraint)

@@ -47,9 +47,6 @@ class Scheduler(SchedulerState):
         self.num_appended: dict[str, int] = {}  # the latest update's requests that got several tokens: how many
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache at admission
         self.num_prefix_hit_tokens = 0  # of those, found there (not computed again)
-        # A LongRoPE model's original length (set by the engine): batches say which rows rotate long, and a
-        # sequence that grows past it is recomputed long (engine/models/rope.py)
-        self.long_rope_length: int | None = None
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -33,6 +33,10 @@ class SchedulerState:
                                  **(dict(window=window[0], num_window_blocks=window[1]) if window else {}))
         self.policy = SchedulingPolicy(config)
         self.preemption = Preemption(config.preemption_mode)
+        # A LongRoPE model's original length (set by the engine): a sequence longer than it is rotated long
+        # throughout: from its admission (``add``), or recomputed once it grows past it (``Scheduler._pick``);
+        # batches say which rows are (engine/models/rope.py)
+        self.long_rope_length: int | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -61,6 +65,8 @@ class SchedulerState:
             raise ValueError(
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens needs {needed} KV blocks "
                 f"but the pool holds only {self.kv.pool.num_blocks}; raise num_kv_blocks or lower max_tokens")
+        if self.long_rope_length is not None and request.num_tokens > self.long_rope_length:
+            request.rotate_long()
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.policy.fair:
