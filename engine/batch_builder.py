@@ -6,7 +6,7 @@ It runs for every row of every general step, so it binds appends and locals inst
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from inflight.engine.scheduler_output import PLACEHOLDER_TOKEN_ID, PromptRow, SchedulerOutput
 
@@ -16,12 +16,12 @@ if TYPE_CHECKING:
 
 
 def build_batch(requests: list[Request], counts: list[int], kv: KVCacheManager, with_prompt_work: bool,
-                long_rope: bool = False) -> SchedulerOutput:
+                long_rope: bool = False, clock: Callable[[], float] = time.time) -> SchedulerOutput:
     """Row i computes ``counts[i]`` tokens of ``requests[i]`` from its ``num_computed_tokens`` on: a prompt chunk,
     a decode (its input the token an in-flight step samples, when it has not landed: a placeholder), or a decode
     and its proposed tokens to verify (``spec_token_ids``). ``with_prompt_work``: some request may owe prompt
     outputs or generate nothing (``PromptRow``s; cheaper to skip when none does). ``long_rope``: a LongRoPE model,
-    whose rows say whether their prompts rotate long."""
+    whose rows say whether their prompts rotate long. ``clock``: the scheduler's (a request's first scheduled time)."""
     out = SchedulerOutput()
     add_id, add_input, extend_input = out.request_ids.append, out.input_token_ids.append, out.input_token_ids.extend
     add_query_len, add_start, add_sample = out.query_lens.append, out.start_positions.append, out.sample.append
@@ -50,7 +50,7 @@ def build_batch(requests: list[Request], counts: list[int], kv: KVCacheManager, 
         add_padding(False)
         metrics = request.metrics
         if metrics.first_scheduled_time is None:
-            now = now or time.time()
+            now = now or clock()
             metrics.first_scheduled_time = now
     # copies (C loops, every row): the KV manager grows its lists for the next step while the runner reads these
     out.block_tables = list(map(list.copy, map(kv.block_tables.__getitem__, out.request_ids)))

@@ -8,8 +8,6 @@ the batch as the runner's arrays (``batch_builder.py``), the decode batch kept a
 
 from __future__ import annotations
 
-import time
-
 from inflight.engine.batch_builder import build_batch
 from inflight.engine.config import EngineConfig
 from inflight.engine.persistent_batch import PersistentBatch
@@ -76,7 +74,8 @@ class Scheduler(SchedulerState):
         return out
 
     def _build_batch(self, requests: list[Request], counts: list[int]) -> SchedulerOutput:
-        out = build_batch(requests, counts, self.kv, bool(self._num_with_prompt_work), self.long_rope_length is not None)
+        out = build_batch(requests, counts, self.kv, bool(self._num_with_prompt_work), self.long_rope_length is not None,
+                          self.clock)
         if self._ended_with_state and requests:
             out.ended_ids = self.take_ended_with_state()
         if requests and self.preemption.has_copies:
@@ -135,7 +134,7 @@ class Scheduler(SchedulerState):
         for request in crossing:  # its KV, rotated short, is dropped and computed again long, as transformers does
             request.rotate_long()
             self._preempt(request, recompute=True)
-        now = time.time()
+        now = self.clock()
         for request in decoding:
             if request.status is not running_status or budget == 0:
                 continue  # preempted earlier in this loop

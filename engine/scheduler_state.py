@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 from inflight.engine.block_pool import KVCacheManager, KVCacheStats
 from inflight.engine.config import EngineConfig
@@ -37,6 +38,9 @@ class SchedulerState:
         # throughout: from its admission (``add``), or recomputed once it grows past it (``Scheduler._pick``);
         # batches say which rows are (engine/models/rope.py)
         self.long_rope_length: int | None = None
+        # What "now" is to deadlines, aging and request metrics: the wall clock, or a simulator's virtual one
+        # (serve_app/sim/), so the same rules decide there.
+        self.clock: Callable[[], float] = time.time
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -91,7 +95,7 @@ class SchedulerState:
             self._ended_without_token.append(request)
         was_running = request.status is RequestStatus.RUNNING
         request.status = RequestStatus.FINISHED
-        request.metrics.finished_time = time.time()
+        request.metrics.finished_time = self.clock()
         if request.deadline is not None:
             self._num_with_deadline -= 1
         if request.has_prompt_work:
@@ -137,7 +141,7 @@ class SchedulerState:
     def _expire_deadlines(self) -> None:
         if not self._num_with_deadline:
             return
-        now = time.time()
+        now = self.clock()
         for request in [r for r in (*self.waiting, *self.running) if r.deadline is not None and r.deadline <= now
                         and not r.is_finished]:
             self.finish(request, "timeout")

@@ -173,10 +173,11 @@ def hand_clock(monkeypatch) -> HandClock:
     """The engine's wall clock, moved by the test: a request's arrival, the scheduler's deadlines and aging, the
     queue views admission predicts from and its ``now`` (and the async engine's pacing clock). How long the
     machine really takes between two steps, or between a view and a request, then decides nothing."""
-    from inflight.engine import async_engine, batch_builder, llm_engine, request, scheduler, scheduler_state
+    from inflight.engine import async_engine, llm_engine, request, scheduler_state
 
     clock = HandClock(_time.time())
-    for module in (request, scheduler, scheduler_state, batch_builder, llm_engine, async_engine):
+    # (a scheduler reads scheduler_state's clock, which it takes when made: make it after this)
+    for module in (request, scheduler_state, llm_engine, async_engine):
         monkeypatch.setattr(module, "time", clock)
     return clock
 
