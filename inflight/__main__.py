@@ -9,9 +9,13 @@ import argparse
 import importlib
 import sys
 
-# command -> (its module, whose main(argv, prog) runs it; one line of help)
+# command -> (its module[:function], whose main(argv, prog) runs it; one line of help)
 COMMANDS = {
     "serve": ("inflight.serve_app.cli", "serve a model's OpenAI-compatible API on Ray Serve (like `vllm serve`)"),
+    "profile": ("inflight.serve_app.sim.cli:profile_main",
+                "measure what an engine step costs on this machine, for `inflight simulate`"),
+    "simulate": ("inflight.serve_app.sim.cli:simulate_main",
+                 "replay a trace through the scheduler and router across N simulated replicas; size a fleet"),
 }
 
 
@@ -21,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, (_, help_text) in COMMANDS.items():
         commands.add_parser(name, help=help_text, add_help=False)  # the command's own parser has the help
     namespace, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    module = importlib.import_module(COMMANDS[namespace.command][0])
-    return module.main(rest, prog=f"inflight {namespace.command}")
+    module_name, _, function = COMMANDS[namespace.command][0].partition(":")
+    run = getattr(importlib.import_module(module_name), function or "main")
+    return run(rest, prog=f"inflight {namespace.command}")
 
 
 if __name__ == "__main__":

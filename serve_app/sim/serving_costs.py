@@ -1,0 +1,93 @@
+"""The serving path's own costs, measured on a running server against a profile's engine step costs.
+
+* Per request: single completions of one token, one after another; what each takes beyond the engine's predicted
+  prompt step is the fixed cost of HTTP, tokenizing and the router's hop (``ServingCosts.request_s``).
+* Per streamed token: 1 and then ``CONCURRENT`` streams at once; the gap between two of a stream's tokens beyond
+  the engine's predicted decode step, per stream in the step, is what each message adds to a step
+  (``ServingCosts.message_s``: on a machine whose cores the router and proxy share with the engine it is real).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+
+from inflight.serve_app.sim.cost_model import StepCostModel
+from inflight.serve_app.sim.fleet import ServingCosts
+from inflight.serve_app.sim.trace import synthetic_tokens
+
+PROMPT_TOKENS = 32
+STREAM_TOKENS = 48
+CONCURRENT = 8
+SINGLE_REQUESTS = 12
+
+
+def measure_serving(url: str, costs: StepCostModel, vocab_size: int | None = None) -> ServingCosts:
+    import httpx
+
+    base = url.rstrip("/")
+    with httpx.Client(timeout=120.0) as client:
+        try:
+            models = client.get(f"{base}/v1/models").raise_for_status().json()["data"]
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            raise ValueError(f"--serving-url {url}: no OpenAI models list there ({e})") from None
+        model = models[0]["id"]
+
+        def body(index: int, max_tokens: int, stream: bool) -> dict:
+            return {"model": model, "prompt": synthetic_tokens(f"serving:{index}", PROMPT_TOKENS, vocab_size),
+                    "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+
+        client.post(f"{base}/v1/completions", json=body(-1, 4, False)).raise_for_status()  # warm-up
+        latencies = []
+        for i in range(SINGLE_REQUESTS):
+            started = time.perf_counter()
+            client.post(f"{base}/v1/completions", json=body(i, 1, False)).raise_for_status()
+            latencies.append(time.perf_counter() - started)
+    prompt_step = costs.step_seconds([PROMPT_TOKENS], [0], [True])
+    request_s = max(0.0, statistics.median(latencies) - prompt_step)
+    excess = []  # (streams, seconds a step took beyond the engine's prediction)
+    for streams in (1, CONCURRENT):
+        gaps = _stream_gaps(base, [body(1000 * streams + i, STREAM_TOKENS, True) for i in range(streams)])
+        context = PROMPT_TOKENS + STREAM_TOKENS // 2
+        predicted = costs.step_seconds([1] * streams, [context] * streams, [True] * streams)
+        excess.append((streams, statistics.median(gaps) - predicted))
+    message_s = max(0.0, sum(n * e for n, e in excess) / sum(n * n for n, _ in excess))
+    return ServingCosts(request_s, message_s)
+
+
+def _stream_gaps(base: str, bodies: list[dict]) -> list[float]:
+    """The gaps between consecutive tokens of each stream, the streams run at once (the first two tokens' gap left
+    out: the others' prompts may still be computing)."""
+    import httpx
+
+    gaps: list[float] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def one(body: dict) -> None:
+        try:
+            times = []
+            with httpx.Client(timeout=300.0) as client, client.stream("POST", f"{base}/v1/completions",
+                                                                       json=body) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        if json.loads(line[6:]).get("choices"):
+                            times.append(time.perf_counter())
+            with lock:
+                gaps.extend(b - a for a, b in zip(times[2:], times[3:]))
+        except BaseException as e:  # reported by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(b,)) for b in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise ValueError(f"--serving-url: a streamed request failed ({errors[0]})")
+    if not gaps:
+        raise ValueError("--serving-url: the streams brought too few tokens to time")
+    return gaps
