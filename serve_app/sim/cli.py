@@ -216,8 +216,9 @@ def run(trace: Sequence[TraceRequest], setup: FleetSetup, replicas: int, router:
 
 def find_replicas(trace: Sequence[TraceRequest], setup: FleetSetup, slo: dict[str, float], router: str,
                   max_replicas: int, quiet: bool) -> tuple[int | None, list[tuple[int, dict[str, Any]]]]:
-    """The fewest replicas whose simulation meets ``slo`` (doubling, then bisecting: more replicas never make a
-    percentile worse here), and every run tried; None if even ``max_replicas`` does not."""
+    """The fewest replicas whose simulation meets ``slo``, and every run tried; None if even ``max_replicas`` does
+    not. Doubling, then bisecting: that assumes more replicas never miss an SLO that fewer meet, which routing can
+    break by a little at the margin; the answer's one-fewer was always tried and missed it."""
     tried: dict[int, dict[str, Any]] = {}
 
     def ok(n: int) -> bool:

@@ -2,6 +2,7 @@
 
     step seconds = step_s                                   (the fixed cost of any step: launch, host work)
                  + prefill_token_s   x prompt tokens computed
+                 + prefill_row_s     x prompt chunks (rows that compute a prompt's tokens)
                  + prefill_pair_s    x prompt attention pairs (each prompt token x the KV it attends to)
                  + decode_row_s      x decode rows
                  + decode_context_s  x KV tokens the decode rows read
@@ -9,7 +10,8 @@
 
 Why these terms: a forward reads the weights once (``step_s``) and does per-token matmul work (a prompt token and
 a decode row each cost their row of every layer); attention is the part that grows with context (quadratic in a
-prompt chunk, linear in a decode row's KV); sampling is per sampled row. The fit is non-negative least squares on
+prompt chunk, linear in a decode row's KV); a prompt chunk has a cost of its own (its attention call, its row's
+bookkeeping: on a CPU 16 prompts of 16 tokens take longer than one of 256); sampling is per sampled row. The fit is non-negative least squares on
 relative error (a 5 ms decode step is predicted as closely as a 500 ms prefill), so every term means what it says.
 """
 
@@ -21,22 +23,24 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-TERMS = ("step_s", "prefill_token_s", "prefill_pair_s", "decode_row_s", "decode_context_s", "sampled_row_s")
+TERMS = ("step_s", "prefill_token_s", "prefill_row_s", "prefill_pair_s", "decode_row_s", "decode_context_s",
+         "sampled_row_s")
 
 
 def step_features(query_lens: Sequence[int], start_positions: Sequence[int], sample: Sequence[bool]) -> tuple:
     """A step's shape as the model's inputs, one per term (a ``SchedulerOutput``'s fields: rows' query lengths,
     start positions, whether each samples). A one-token row is a decode (a static batch's padding rows are
     computed as decodes too)."""
-    prefill_tokens = prefill_pairs = decode_rows = decode_context = 0
+    prefill_tokens = prefill_rows = prefill_pairs = decode_rows = decode_context = 0
     for q, start in zip(query_lens, start_positions):
         if q == 1:
             decode_rows += 1
             decode_context += start + 1
         else:
             prefill_tokens += q
+            prefill_rows += 1
             prefill_pairs += q * start + q * (q + 1) // 2
-    return (1, prefill_tokens, prefill_pairs, decode_rows, decode_context, sum(sample))
+    return (1, prefill_tokens, prefill_rows, prefill_pairs, decode_rows, decode_context, sum(sample))
 
 
 @dataclass
@@ -60,7 +64,7 @@ class StepCostModel:
     def predict(self, features: Sequence[float]) -> float:
         w = self._w
         return (w[0] * features[0] + w[1] * features[1] + w[2] * features[2] + w[3] * features[3]
-                + w[4] * features[4] + w[5] * features[5])
+                + w[4] * features[4] + w[5] * features[5] + w[6] * features[6])
 
     def step_seconds(self, query_lens: Sequence[int], start_positions: Sequence[int], sample: Sequence[bool]) -> float:
         return self.predict(step_features(query_lens, start_positions, sample))

@@ -120,18 +120,22 @@ def _cpu_name() -> str:
 # -- measuring this machine ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Batch:
-    """One planned run: ``num_requests`` prompts of ``prompt_len`` tokens at once, ``max_tokens`` each."""
+    """One planned run: prompts of these lengths at once, ``max_tokens`` each."""
 
-    prompt_len: int
-    num_requests: int
+    prompt_lens: tuple[int, ...]
     max_tokens: int
+
+    @classmethod
+    def alike(cls, prompt_len: int, num_requests: int, max_tokens: int) -> "Batch":
+        return cls((prompt_len,) * num_requests, max_tokens)
 
 
 def plan(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_tokens: int,
          quick: bool = False) -> list[Batch]:
-    """The batches a profile runs: decodes at 1, 2, 4, ... rows up to ``max_num_seqs`` over short and long contexts
-    (the decode terms), prompts from 32 tokens to a few chunks (the prompt terms); none needs more KV than there
-    is, so nothing is preempted while measured."""
+    """The batches a profile runs, none needing more KV than there is (nothing is preempted while measured):
+    decodes at 1, 2, 4, ... rows up to ``max_num_seqs`` over short and long contexts (the decode terms); 1, 4 and
+    16 prompts of 32 tokens to a few chunks (the prompt terms); and a burst of prompts of mixed lengths, whose
+    chunks share steps with decodes as traffic's do."""
     sizes, size = [], 1
     while size < max_num_seqs:
         sizes.append(size)
@@ -139,14 +143,19 @@ def plan(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_
     sizes.append(max_num_seqs)
     decode_tokens = 6 if quick else 16
     long_context = max(64, min(1024, max_model_len // 2))
-    batches = [Batch(16, n, decode_tokens) for n in sizes]
-    batches += [Batch(long_context, n, decode_tokens) for n in sizes[::2]
+    batches = [Batch.alike(16, n, decode_tokens) for n in sizes]
+    batches += [Batch.alike(long_context, n, decode_tokens) for n in sizes[::2]
                 if n * (long_context + decode_tokens) <= kv_tokens]
-    prompt_len = 32
     longest = min(max_model_len - 2, 4 * max_num_batched_tokens, kv_tokens - 2)
+    prompt_len = 32
     while prompt_len <= longest:
-        batches.append(Batch(prompt_len, 1, 2))
+        batches += [Batch.alike(prompt_len, n, 2) for n in ((1, 4) if quick else (1, 4, 16))
+                    if n <= max_num_seqs and n * (prompt_len + 2) <= kv_tokens]
         prompt_len *= 8 if quick else 4
+    burst = max_num_seqs if not quick else min(8, max_num_seqs)
+    top = max(32, min(1024, longest, kv_tokens // burst - 8))
+    lengths = tuple(int(32 * (top / 32) ** (i / max(1, burst - 1))) for i in range(burst))
+    batches.append(Batch(lengths, 8))
     return batches
 
 
@@ -161,7 +170,7 @@ def measure(model: str, engine_args: dict[str, Any], quick: bool = False,
         kv_tokens = runner.num_kv_blocks * config.block_size
         batches = plan(config.max_num_seqs, engine.max_model_len, config.max_num_batched_tokens, kv_tokens, quick)
         prompts = _PromptMaker(engine.model_config.vocab_size)
-        _run(engine, Batch(16, 2, 4), prompts)  # warm-up: first-call costs (allocation, compilation) are not steps
+        _run(engine, Batch.alike(16, 2, 4), prompts)  # warm-up: first-call costs (allocation, compilation) are not steps
         features, seconds = [], []
         for batch in (progress(batches) if progress is not None else batches):
             for shape, duration in _run(engine, batch, prompts):
@@ -203,8 +212,8 @@ def _run(engine, batch: Batch, prompts: _PromptMaker) -> list[tuple[tuple, float
     records: list = []
     engine.step_listener = records.append
     params = SamplingParams(max_tokens=batch.max_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(batch.num_requests):
-        engine.add_request(f"profile-{prompts.count}", prompts(batch.prompt_len), params)
+    for prompt_len in batch.prompt_lens:
+        engine.add_request(f"profile-{prompts.count}", prompts(prompt_len), params)
     durations = []
     try:
         while engine.has_unfinished_requests():
@@ -218,7 +227,7 @@ def _run(engine, batch: Batch, prompts: _PromptMaker) -> list[tuple[tuple, float
         pairs = zip(shapes, durations[1:])
     else:
         pairs = zip(shapes, durations)
-    return [(shape, seconds) for shape, seconds in pairs if shape[3] or shape[1]]  # empty steps are not steps
+    return [(shape, seconds) for shape, seconds in pairs if shape[1] or shape[4]]  # no tokens: not a step
 
 
 def _now() -> str:
@@ -254,7 +263,7 @@ def from_gpu_check(path: str | Path, flag: str = "--from-gpu-check") -> Profile:
     decode_s = (new_tokens - 1) * (step_s + prompts * row_s)
     prompt_steps = math.ceil(prompts * prompt_len / chunk)
     token_s = max(0.0, (total_s - decode_s - prompt_steps * step_s) / (prompts * prompt_len))
-    costs = StepCostModel({"step_s": step_s, "prefill_token_s": token_s, "prefill_pair_s": 0.0,
+    costs = StepCostModel({"step_s": step_s, "prefill_token_s": token_s, "prefill_row_s": 0.0, "prefill_pair_s": 0.0,
                            "decode_row_s": row_s, "decode_context_s": 0.0, "sampled_row_s": 0.0})
     first = results.get("decode_b1", {})
     facts = {"num_kv_blocks": int(min(v.get("kv_blocks", 0) for k, v in results.items()

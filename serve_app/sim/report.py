@@ -17,26 +17,35 @@ def summarize(result: FleetResult) -> dict[str, Any]:
     """The run's figures: output tokens per second over the run (first arrival to last token), and TTFT, TPOT and
     end-to-end latency (mean, p50, p90, p99) over the requests that finished; KV use over time; preemptions."""
     rows = per_request(result)
-    done = [r for r in rows if "e2e_s" in r]
     span = result.end - result.start - (result.requests[0].trace.arrival_s if result.requests else 0.0)
+    summary = latency_summary(rows, span)
+    summary["replicas"] = len(result.replicas)
+    summary["preemptions"] = result.num_preemptions
+    summary["steps"] = sum(r.num_steps for r in result.replicas)
+    busy = [r.busy_s / span if span > 0 else math.nan for r in result.replicas]
+    summary["replica_busy_fraction"] = busy
+    summary["kv"] = kv_utilisation(result)
+    return summary
+
+
+def latency_summary(rows: Sequence[dict[str, Any]], span_s: float) -> dict[str, Any]:
+    """The figures of per-request rows (``per_request``'s, or a measured run's alike: ``ttft_s``, ``tpot_s``,
+    ``e2e_s``, ``output_tokens``; ``refused``/``unfinished`` for those that did not finish) over ``span_s``, the
+    seconds from the first arrival to the last token."""
+    done = [r for r in rows if r.get("e2e_s") is not None]
     output_tokens = sum(r["output_tokens"] for r in done)
     summary: dict[str, Any] = {
         "num_requests": len(rows), "num_finished": len(done),
         "num_refused": sum(1 for r in rows if "refused" in r), "num_unfinished": sum(1 for r in rows if "unfinished" in r),
-        "replicas": len(result.replicas), "duration_s": span,
-        "output_tokens": output_tokens, "output_tok_per_s": output_tokens / span if span > 0 else math.nan,
-        "request_per_s": len(done) / span if span > 0 else math.nan,
+        "duration_s": span_s, "output_tokens": output_tokens,
+        "output_tok_per_s": output_tokens / span_s if span_s > 0 else math.nan,
+        "request_per_s": len(done) / span_s if span_s > 0 else math.nan,
     }
     for name in LATENCIES:
         values = [r[f"{name}_s"] for r in done if r.get(f"{name}_s") is not None]
         summary[f"mean_{name}_s"] = fmean(values) if values else math.nan
         for q in (50, 90, 99):
             summary[f"p{q}_{name}_s"] = percentile(values, q)
-    summary["preemptions"] = result.num_preemptions
-    summary["steps"] = sum(r.num_steps for r in result.replicas)
-    busy = [r.busy_s / span if span > 0 else math.nan for r in result.replicas]
-    summary["replica_busy_fraction"] = busy
-    summary["kv"] = kv_utilisation(result)
     return summary
 
 

@@ -1,0 +1,188 @@
+"""The fleet simulator's parts: traces, the step cost model and its fit, the fleet's clock, routing and refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from inflight.engine.config import EngineConfig
+from inflight.serve_app.sim.cost_model import TERMS, StepCostModel, fit, step_features
+from inflight.serve_app.sim.fleet import FleetSetup, ServingCosts, per_request, simulate
+from inflight.serve_app.sim.report import summarize
+from inflight.serve_app.sim.trace import TraceRequest, at_rate, load_trace, mean_rate, write_trace
+
+COSTS = StepCostModel({"step_s": 0.010, "prefill_token_s": 1e-4, "prefill_row_s": 2e-3, "prefill_pair_s": 1e-7,
+                       "decode_row_s": 5e-4, "decode_context_s": 1e-6, "sampled_row_s": 2e-4})
+
+
+def setup(num_kv_blocks: int = 200, **engine_args) -> FleetSetup:
+    config = EngineConfig.from_kwargs(model="demo-tiny", block_size=16, num_kv_blocks=num_kv_blocks, **engine_args)
+    return FleetSetup(config, num_kv_blocks, 1024, COSTS)
+
+
+# -- traces ----------------------------------------------------------------------------------------------
+def write_lines(tmp_path, *lines: str):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_trace_is_read_sorted_with_its_optional_fields(tmp_path):
+    path = write_lines(tmp_path, '{"arrival_s": 2, "prompt_tokens": 10, "max_tokens": 3}',
+                       '', '{"prompt_tokens": 8, "output_tokens": 4, "prefix_id": 7, "priority": -1, "tenant": "a"}')
+    first, second = load_trace(path)
+    assert first == TraceRequest(8, 4, 0.0, prefix_id="7", priority=-1, tenant="a")
+    assert second == TraceRequest(10, 3, 2.0)
+    assert load_trace(write_trace(tmp_path / "again.jsonl", [first, second])) == [first, second]
+
+
+@pytest.mark.parametrize("line, said", [
+    ("not json", "not JSON"),
+    ("[1, 2]", "expected an object"),
+    ('{"prompt_tokens": 5}', "max_tokens is missing"),
+    ('{"prompt_tokens": 0, "max_tokens": 1}', "prompt_tokens must be an integer >= 1"),
+    ('{"prompt_tokens": 5, "max_tokens": 1.5}', "max_tokens must be an integer"),
+    ('{"prompt_tokens": 5, "max_tokens": 2, "arrival_s": -1}', "arrival_s must be a number >= 0"),
+    ('{"prompt_tokens": 5, "max_tokens": 2, "arrival_s": true}', "arrival_s must be a number"),
+    ('{"prompt_tokens": 5, "max_tokens": 2, "colour": "red"}', "unknown field(s) ['colour']"),
+    ('{"prompt_tokens": 5, "max_tokens": 2, "output_tokens": 2}', "not both"),
+    ('{"prompt_tokens": 5, "max_tokens": 2, "prefix_tokens": 3}', "prefix_tokens needs a prefix_id"),
+    ('{"prompt_tokens": 5, "max_tokens": 2, "tenant": 3}', "tenant must be a string"),
+])
+def test_a_bad_trace_line_is_a_value_error_naming_the_line_and_field(tmp_path, line, said):
+    path = write_lines(tmp_path, '{"prompt_tokens": 5, "max_tokens": 2}', line)
+    with pytest.raises(ValueError) as error:
+        load_trace(path)
+    assert said in str(error.value) and ", line 2: " in str(error.value)
+
+
+def test_an_empty_or_missing_trace_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="holds no requests"):
+        load_trace(write_lines(tmp_path, ""))
+    with pytest.raises(ValueError, match="--trace: no such file"):
+        load_trace(tmp_path / "nowhere.jsonl")
+
+
+def test_requests_with_one_prefix_id_share_that_many_leading_tokens_and_no_more():
+    a = TraceRequest(40, 1, prefix_id="sys", prefix_tokens=24)
+    b = TraceRequest(30, 1, prefix_id="sys", prefix_tokens=24)
+    alone = TraceRequest(40, 1)
+    tokens_a, tokens_b = a.token_ids(0, vocab_size=300), b.token_ids(1, vocab_size=300)
+    assert len(tokens_a) == 40 and len(tokens_b) == 30
+    assert tokens_a[:24] == tokens_b[:24] and tokens_a[24] != tokens_b[24]
+    assert alone.token_ids(0)[:4] != alone.token_ids(1)[:4]
+    assert all(0 < t < 300 for t in tokens_a + tokens_b)
+    assert TraceRequest(10, 1, prefix_id="x").shared_tokens == 5  # half the prompt by default
+
+
+def test_a_trace_at_another_rate():
+    trace = [TraceRequest(5, 1, t) for t in (0.0, 1.0, 2.0, 4.0)]
+    assert mean_rate(trace) == pytest.approx(0.75)
+    assert mean_rate(at_rate(trace, 2.0)) == pytest.approx(1.5)
+    assert math.isinf(mean_rate([TraceRequest(5, 1), TraceRequest(5, 1)]))
+
+
+# -- the cost model ----------------------------------------------------------------------------------------
+def test_features_count_a_steps_prompt_and_decode_work():
+    # a prompt chunk of 4 tokens from position 8, two decodes at positions 9 and 19, one prompt row not sampling
+    assert step_features([4, 1, 1], [8, 9, 19], [False, True, True]) == (
+        1, 4, 1, 4 * 8 + 10, 2, 10 + 20, 2)
+
+
+def test_the_fit_recovers_the_costs_that_made_the_steps_and_drops_slowed_ones():
+    rng = np.random.default_rng(0)
+    features = []
+    for _ in range(300):
+        rows = int(rng.integers(1, 40))
+        queries = [int(q) for q in rng.choice([1, 1, 1, 16, 200], size=rows)]
+        starts = [int(s) for s in rng.integers(0, 900, size=rows)]
+        features.append(step_features(queries, starts, [bool(b) for b in rng.integers(0, 2, size=rows)]))
+    seconds = [COSTS.predict(f) for f in features]
+    seconds[5] *= 4  # a step that waited for a core
+    model = fit(features, seconds)
+    for term in TERMS:
+        assert model.coefficients[term] == pytest.approx(COSTS.coefficients[term], rel=1e-6, abs=1e-12)
+    assert model.fit_error["dropped_slow_steps"] == 1
+    assert model.fit_error["median_relative_error"] < 1e-9
+
+
+def test_a_term_the_steps_cannot_support_comes_out_zero_not_negative():
+    features = [step_features([1] * n, [10] * n, [True] * n) for n in range(1, 30)]
+    seconds = [0.01 + 0.001 * f[4] - 0.0001 * f[6] for f in features]  # sampling "saves" time: not a real cost
+    model = fit(features, seconds)
+    assert all(value >= 0 for value in model.coefficients.values())
+
+
+def test_a_cost_model_refuses_missing_unknown_or_negative_terms():
+    with pytest.raises(ValueError, match="missing"):
+        StepCostModel({"step_s": 1.0})
+    with pytest.raises(ValueError, match=">= 0"):
+        StepCostModel({**COSTS.coefficients, "step_s": -1.0})
+    with pytest.raises(ValueError, match="unknown"):
+        StepCostModel({**COSTS.coefficients, "warp_s": 1.0})
+    assert StepCostModel.from_json(json.loads(json.dumps(COSTS.to_json()))).coefficients == COSTS.coefficients
+
+
+# -- the fleet ------------------------------------------------------------------------------------------
+def test_one_request_takes_the_cost_models_time_on_the_virtual_clock():
+    serving = ServingCosts(request_s=0.05, message_s=0.001)
+    fleet = setup()
+    fleet.serving = serving
+    result = simulate([TraceRequest(100, 5, 3.0)], fleet, 1)
+    row = per_request(result)[0]
+    prefill = COSTS.step_seconds([100], [0], [True]) + serving.message_s
+    decodes = sum(COSTS.step_seconds([1], [100 + i], [True]) + serving.message_s for i in range(4))
+    # (to the virtual clock's resolution: it counts from VirtualClock.EPOCH)
+    assert row["ttft_s"] == pytest.approx(serving.request_s + prefill, abs=1e-8)
+    assert row["e2e_s"] == pytest.approx(serving.request_s + prefill + decodes, abs=1e-8)
+    assert row["finish_s"] == pytest.approx(3.0 + row["e2e_s"], abs=1e-8)
+    assert row["output_tokens"] == 5
+
+
+def test_a_burst_spreads_over_the_replicas_and_prefix_affinity_keeps_a_prefix_together():
+    trace = [TraceRequest(64, 8, 0.0, prefix_id=str(i % 2), prefix_tokens=48) for i in range(8)]
+    spread = simulate(trace, setup(), 2, "least_loaded")
+    assert sorted(sum(r.times.replica == i for r in spread.requests) for i in (0, 1)) == [4, 4]
+    together = simulate(trace, setup(), 2, "prefix")
+    homes = {prefix: {r.times.replica for r in together.requests if r.trace.prefix_id == prefix} for prefix in "01"}
+    assert all(len(replicas) == 1 for replicas in homes.values()), homes
+    assert homes["0"] != homes["1"]  # two prefixes, two replicas: the second goes to the less loaded one
+    assert sum(r.scheduler.num_prefix_hit_tokens for r in together.replicas) > \
+        sum(r.scheduler.num_prefix_hit_tokens for r in spread.replicas)
+
+
+def test_the_router_refuses_past_max_pending_requests_and_the_engine_an_overlong_prompt():
+    fleet = setup()
+    fleet.max_pending_requests = 3
+    trace = [TraceRequest(10, 50, 0.0) for _ in range(5)] + [TraceRequest(2000, 5, 0.0)]
+    result = simulate(trace, fleet, 1)
+    refused = [r.refused for r in result.requests]
+    assert refused[:3] == [None, None, None]
+    assert "max_pending_requests" in refused[3] and "max_pending_requests" in refused[4]
+    fleet.max_pending_requests = None
+    refused = [r.refused for r in simulate(trace, fleet, 1).requests]
+    assert refused[:5] == [None] * 5 and "max_model_len 1024 (400)" in refused[5]
+    summary = summarize(simulate(trace, fleet, 1))
+    assert summary["num_refused"] == 1 and summary["num_finished"] == 5
+
+
+def test_a_small_kv_pool_preempts_and_the_summary_says_so():
+    trace = [TraceRequest(200, 300, 0.0) for _ in range(8)]
+    tight = summarize(simulate(trace, setup(num_kv_blocks=60), 1))
+    roomy = summarize(simulate(trace, setup(num_kv_blocks=400), 1))
+    assert tight["preemptions"] > 0 and roomy["preemptions"] == 0
+    assert tight["num_finished"] == roomy["num_finished"] == 8
+    assert tight["kv"]["peak_fraction"] > roomy["kv"]["peak_fraction"]
+    assert tight["mean_e2e_s"] > roomy["mean_e2e_s"]
+
+
+def test_static_batching_waits_for_its_batch_and_continuous_does_not():
+    trace = [TraceRequest(50, 100 if i == 0 else 5, 0.01 * i) for i in range(4)]
+    continuous = per_request(simulate(trace, setup(max_num_seqs=2), 1))
+    static = per_request(simulate(trace, setup(max_num_seqs=2, batching="static"), 1))
+    # request 2 arrives while a batch of two runs: continuous admits it when request 1 ends, static only when
+    # the long request 0 ends too
+    assert continuous[2]["ttft_s"] < static[2]["ttft_s"]
