@@ -2,9 +2,10 @@
 
 * Per request: single completions of one token, one after another; what each takes beyond the engine's predicted
   prompt step is the fixed cost of HTTP, tokenizing and the router's hop (``ServingCosts.request_s``).
-* Per streamed token: 1 and then ``CONCURRENT`` streams at once; the gap between two of a stream's tokens beyond
-  the engine's predicted decode step, per stream in the step, is what each message adds to a step
-  (``ServingCosts.message_s``: on a machine whose cores the router and proxy share with the engine it is real).
+* Per streamed token: 1 and then ``CONCURRENT`` streams per replica at once (the server's /stats says how many
+  replicas it has; the router spreads the streams); the gap between two of a stream's tokens beyond the engine's
+  predicted decode step, per stream in the step, is what each message adds to a step (``ServingCosts.message_s``:
+  on a machine whose cores the router and proxy share with the engine it is real).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def measure_serving(url: str, costs: StepCostModel, vocab_size: int | None = Non
         except (httpx.HTTPError, KeyError, ValueError) as e:
             raise ValueError(f"--serving-url {url}: no OpenAI models list there ({e})") from None
         model = models[0]["id"]
+        try:
+            replicas = max(1, len(client.get(f"{base}/stats").raise_for_status().json()["replicas"]))
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            replicas = 1
 
         def body(index: int, max_tokens: int, stream: bool) -> dict:
             return {"model": model, "prompt": synthetic_tokens(f"serving:{index}", PROMPT_TOKENS, vocab_size),
@@ -49,7 +54,8 @@ def measure_serving(url: str, costs: StepCostModel, vocab_size: int | None = Non
     request_s = max(0.0, statistics.median(latencies) - prompt_step)
     excess = []  # (streams, seconds a step took beyond the engine's prediction)
     for streams in (1, CONCURRENT):
-        gaps = _stream_gaps(base, [body(1000 * streams + i, STREAM_TOKENS, True) for i in range(streams)])
+        total = streams if streams == 1 else streams * replicas
+        gaps = _stream_gaps(base, [body(1000 * streams + i, STREAM_TOKENS, True) for i in range(total)])
         context = PROMPT_TOKENS + STREAM_TOKENS // 2
         predicted = costs.step_seconds([1] * streams, [context] * streams, [True] * streams)
         excess.append((streams, statistics.median(gaps) - predicted))
