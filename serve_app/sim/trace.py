@@ -49,6 +49,10 @@ class TraceRequest:
         prefix = synthetic_tokens(f"prefix:{self.prefix_id}", shared, vocab_size) if shared else []
         return prefix + synthetic_tokens(f"request:{index}", self.prompt_tokens - shared, vocab_size)
 
+    @property
+    def output_tokens(self) -> int:
+        return self.max_tokens
+
     def to_json(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)
         return {key: value for key, value in record.items()
@@ -90,10 +94,8 @@ def parse_request(record: Any, where: str) -> TraceRequest:
         raise ValueError(f"{where}: unknown field(s) {unknown}; a trace line has {sorted(known)}")
     if "max_tokens" in record and "output_tokens" in record:
         raise ValueError(f"{where}: give max_tokens or output_tokens (the same field), not both")
-    record = dict(record)
-    if "output_tokens" in record:
-        record["max_tokens"] = record.pop("output_tokens")
-    for key in ("prompt_tokens", "max_tokens"):
+    output_key = "output_tokens" if "output_tokens" in record else "max_tokens"
+    for key in ("prompt_tokens", output_key):
         if key not in record:
             raise ValueError(f"{where}: {key} is missing")
     prefix_id = record.get("prefix_id")
@@ -106,7 +108,7 @@ def parse_request(record: Any, where: str) -> TraceRequest:
         raise ValueError(f"{where}: prefix_tokens needs a prefix_id")
     return TraceRequest(
         prompt_tokens=_field(record, "prompt_tokens", where, int, 1),
-        max_tokens=_field(record, "max_tokens", where, int, 1),
+        max_tokens=_field(record, output_key, where, int, 1),
         arrival_s=float(_field(record, "arrival_s", where, float, 0, 0.0)),
         prefix_id=None if prefix_id is None else str(prefix_id),
         prefix_tokens=_field(record, "prefix_tokens", where, int, 0),
