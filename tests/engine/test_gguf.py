@@ -185,9 +185,7 @@ CHAT_QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return LLM(SMOLLM2, device="cpu", dtype="float32", quantization="none")  # transformers' model: dequantized
+# smollm2 (float32), smollm2_bfloat16: the real model dequantized, as transformers loads it (tests/engine/conftest.py)
 
 
 def test_the_real_model_is_installed_as_a_package_and_found_without_importing_it():
@@ -211,11 +209,11 @@ def test_the_real_model_answers_chat_prompts_token_for_token_as_transformers(smo
 
 
 @pytest.mark.slow
-def test_the_real_model_in_bfloat16_follows_transformers_bfloat16_but_at_near_ties(smollm2):
+def test_the_real_model_in_bfloat16_follows_transformers_bfloat16_but_at_near_ties(smollm2_bfloat16):
     """bfloat16 rounds differently in every implementation (which sums first, when a value is rounded), so greedy
     tokens may part where two candidates score alike. Where ours and transformers' bfloat16 runs part, the exact
     (float32) model must score the two candidates within 0.5 of each other: a near-tie, not a wrong model."""
-    ours = LLM(SMOLLM2, device="cpu", dtype="bfloat16", quantization="none")
+    ours = smollm2_bfloat16
     exact = hf_real_model()
     reference = copy.deepcopy(exact).to(torch.bfloat16)
     eos = sorted(ours.engine.eos_token_ids)

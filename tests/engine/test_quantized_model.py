@@ -116,24 +116,25 @@ def test_quantization_none_or_a_gpu_dequantizes_and_a_bad_value_is_named(tmp_pat
 
 
 @pytest.mark.slow
-def test_the_real_models_perplexity_kept_quantized_is_within_one_percent():
+def test_the_real_models_perplexity_kept_quantized_is_within_one_percent(smollm2_bfloat16):
     from benchmarks.offline.perplexity import corpus_text, perplexity, windows
 
     results = {}
-    for quantization in ("none", "auto"):
-        llm = LLM(SMOLLM2, device="cpu", dtype="bfloat16", quantization=quantization)
+    for quantization in ("none", "auto"):  # (none: tests/engine/conftest.py's, shared with test_gguf.py)
+        llm = smollm2_bfloat16 if quantization == "none" else LLM(SMOLLM2, device="cpu", dtype="bfloat16",
+                                                                  quantization=quantization)
         results[quantization] = perplexity(llm, windows(llm.tokenizer.encode(corpus_text()), 512, 2))
     assert abs(results["auto"] / results["none"] - 1) < 0.01, results
 
 
 @pytest.mark.slow
-def test_the_real_model_kept_quantized_parts_from_the_dequantized_one_only_at_near_ties():
+def test_the_real_model_kept_quantized_parts_from_the_dequantized_one_only_at_near_ties(smollm2):
     """Greedy chat answers of the Q4_1 file kept quantized against the same file dequantized (both float32): where
     they part, the dequantized model scores the two candidates within 0.5 of each other."""
     from tests.engine.test_gguf import CHAT_QUESTIONS
 
     kept = LLM(SMOLLM2, device="cpu", dtype="float32")
-    exact = LLM(SMOLLM2, device="cpu", dtype="float32", quantization="none")
+    exact = smollm2  # (quantization="none": tests/engine/conftest.py's, shared with test_gguf.py)
     assert quantized_modules(kept) and not quantized_modules(exact)
     params = SamplingParams(max_tokens=32, temperature=0)
     identical = 0
