@@ -7,11 +7,15 @@
                  + decode_row_s      x decode rows
                  + decode_context_s  x KV tokens the decode rows read
                  + sampled_row_s     x rows that sample a token
+                 + rebuilt_row_s     x rows of a batch formed anew (not the persistent batch's next step)
 
 Why these terms: a forward reads the weights once (``step_s``) and does per-token matmul work (a prompt token and
 a decode row each cost their row of every layer); attention is the part that grows with context (quadratic in a
 prompt chunk, linear in a decode row's KV); a prompt chunk has a cost of its own (its attention call, its row's
-bookkeeping: on a CPU 16 prompts of 16 tokens take longer than one of 256); sampling is per sampled row. The fit is non-negative least squares on
+bookkeeping: on a CPU 16 prompts of 16 tokens take longer than one of 256); sampling is per sampled row; and a
+batch the scheduler forms anew costs host work per row that the persistent batch's next step does not
+(engine/persistent_batch.py: arrays rebuilt, not updated in place; on this CPU a decode step of traffic whose
+running set changed every few steps took 15% longer than the same decode kept). The fit is non-negative least squares on
 relative error (a 5 ms decode step is predicted as closely as a 500 ms prefill), so every term means what it says.
 """
 
@@ -24,13 +28,14 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 TERMS = ("step_s", "prefill_token_s", "prefill_row_s", "prefill_pair_s", "decode_row_s", "decode_context_s",
-         "sampled_row_s")
+         "sampled_row_s", "rebuilt_row_s")
 
 
-def step_features(query_lens: Sequence[int], start_positions: Sequence[int], sample: Sequence[bool]) -> tuple:
+def step_features(query_lens: Sequence[int], start_positions: Sequence[int], sample: Sequence[bool],
+                  rebuilt: bool = True) -> tuple:
     """A step's shape as the model's inputs, one per term (a ``SchedulerOutput``'s fields: rows' query lengths,
-    start positions, whether each samples). A one-token row is a decode (a static batch's padding rows are
-    computed as decodes too)."""
+    start positions, whether each samples; ``rebuilt``: not scheduled from the persistent batch). A one-token row
+    is a decode (a static batch's padding rows are computed as decodes too)."""
     prefill_tokens = prefill_rows = prefill_pairs = decode_rows = decode_context = 0
     for q, start in zip(query_lens, start_positions):
         if q == 1:
@@ -40,7 +45,8 @@ def step_features(query_lens: Sequence[int], start_positions: Sequence[int], sam
             prefill_tokens += q
             prefill_rows += 1
             prefill_pairs += q * start + q * (q + 1) // 2
-    return (1, prefill_tokens, prefill_rows, prefill_pairs, decode_rows, decode_context, sum(sample))
+    return (1, prefill_tokens, prefill_rows, prefill_pairs, decode_rows, decode_context, sum(sample),
+            len(query_lens) if rebuilt else 0)
 
 
 @dataclass
@@ -64,10 +70,11 @@ class StepCostModel:
     def predict(self, features: Sequence[float]) -> float:
         w = self._w
         return (w[0] * features[0] + w[1] * features[1] + w[2] * features[2] + w[3] * features[3]
-                + w[4] * features[4] + w[5] * features[5] + w[6] * features[6])
+                + w[4] * features[4] + w[5] * features[5] + w[6] * features[6] + w[7] * features[7])
 
-    def step_seconds(self, query_lens: Sequence[int], start_positions: Sequence[int], sample: Sequence[bool]) -> float:
-        return self.predict(step_features(query_lens, start_positions, sample))
+    def step_seconds(self, query_lens: Sequence[int], start_positions: Sequence[int], sample: Sequence[bool],
+                     rebuilt: bool = True) -> float:
+        return self.predict(step_features(query_lens, start_positions, sample, rebuilt))
 
     def to_json(self) -> dict[str, Any]:
         return {"formula": "step seconds = sum of each term's coefficient x its count (serve_app/sim/cost_model.py)",

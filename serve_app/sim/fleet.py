@@ -28,7 +28,9 @@ from inflight.serve_app.sim.trace import TraceRequest
 
 ROUTERS = {"least_loaded": "least_loaded", "prefix": "prefix_affinity", "power_of_two": "power_of_two",
            "round_robin": "round_robin"}
-_ARRIVE, _ENGINE, _STEP_DONE = 0, 1, 2  # at equal times: arrivals, then engine admissions, then step ends
+# At equal times: arrivals, then requests reaching their engines, then step ends (whose next batch takes those
+# requests), then idle engines waking (so requests that reach an idle engine together share its first batch).
+_ARRIVE, _ENGINE, _STEP_DONE, _WAKE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ def simulate(trace: Sequence[TraceRequest], setup: FleetSetup, num_replicas: int
     policy = RoutingPolicy(ROUTERS[router], seed=seed)
     prefix_routing = policy.policy == "prefix_affinity"
     in_flight = [0] * num_replicas
+    waking = [False] * num_replicas  # an idle replica's wake-up is queued
     serving = setup.serving
     requests = [SimulatedRequest(i, t, RequestTimes()) for i, t in enumerate(trace)]
     params_cache: dict[tuple[int, str | None], SamplingParams] = {}
@@ -142,8 +145,14 @@ def simulate(trace: Sequence[TraceRequest], setup: FleetSetup, num_replicas: int
             request = requests[index]
             replica = replicas[request.times.replica]
             replica.add(engine_requests.pop(index), request.times)
-            if not replica.busy:
-                start_step(replica)
+            if not replica.busy and not waking[replica.index]:
+                waking[replica.index] = True
+                heapq.heappush(events, (now, _WAKE, sequence, replica.index))
+                sequence += 1
+        elif kind == _WAKE:
+            waking[index] = False
+            if not replicas[index].busy:
+                start_step(replicas[index])
         else:
             replica = replicas[index]
             for request_id in replica.finish_step():

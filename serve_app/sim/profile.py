@@ -120,22 +120,23 @@ def _cpu_name() -> str:
 # -- measuring this machine ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Batch:
-    """One planned run: prompts of these lengths at once, ``max_tokens`` each."""
+    """One planned run: prompts of these lengths at once, each with its ``max_tokens``."""
 
     prompt_lens: tuple[int, ...]
-    max_tokens: int
+    max_tokens: tuple[int, ...]
 
     @classmethod
     def alike(cls, prompt_len: int, num_requests: int, max_tokens: int) -> "Batch":
-        return cls((prompt_len,) * num_requests, max_tokens)
+        return cls((prompt_len,) * num_requests, (max_tokens,) * num_requests)
 
 
 def plan(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_tokens: int,
          quick: bool = False) -> list[Batch]:
     """The batches a profile runs, none needing more KV than there is (nothing is preempted while measured):
-    decodes at 1, 2, 4, ... rows up to ``max_num_seqs`` over short and long contexts (the decode terms); 1, 4 and
-    16 prompts of 32 tokens to a few chunks (the prompt terms); and a burst of prompts of mixed lengths, whose
-    chunks share steps with decodes as traffic's do."""
+    decodes at 1, 2, 4, ... rows up to ``max_num_seqs`` over short and long contexts (the decode terms), and
+    decodes that end one a step (each step's batch formed anew, as under traffic); 1, 4 and 16 prompts of 32
+    tokens to a few chunks (the prompt terms); and a burst of prompts of mixed lengths, whose chunks share steps
+    with decodes as traffic's do."""
     sizes, size = [], 1
     while size < max_num_seqs:
         sizes.append(size)
@@ -146,6 +147,7 @@ def plan(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_
     batches = [Batch.alike(16, n, decode_tokens) for n in sizes]
     batches += [Batch.alike(long_context, n, decode_tokens) for n in sizes[::2]
                 if n * (long_context + decode_tokens) <= kv_tokens]
+    batches += [Batch((64,) * n, tuple(range(2, n + 2))) for n in sizes[1::2] if n * (64 + n + 2) <= kv_tokens]
     longest = min(max_model_len - 2, 4 * max_num_batched_tokens, kv_tokens - 2)
     prompt_len = 32
     while prompt_len <= longest:
@@ -155,7 +157,7 @@ def plan(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_
     burst = max_num_seqs if not quick else min(8, max_num_seqs)
     top = max(32, min(1024, longest, kv_tokens // burst - 8))
     lengths = tuple(int(32 * (top / 32) ** (i / max(1, burst - 1))) for i in range(burst))
-    batches.append(Batch(lengths, 8))
+    batches.append(Batch(lengths, (8,) * burst))
     return batches
 
 
@@ -211,23 +213,26 @@ def _run(engine, batch: Batch, prompts: _PromptMaker) -> list[tuple[tuple, float
 
     records: list = []
     engine.step_listener = records.append
-    params = SamplingParams(max_tokens=batch.max_tokens, temperature=0.0, ignore_eos=True)
-    for prompt_len in batch.prompt_lens:
+    for prompt_len, max_tokens in zip(batch.prompt_lens, batch.max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(f"profile-{prompts.count}", prompts(prompt_len), params)
-    durations = []
+    durations, kept = [], []  # per call: its time, and whether the step it applied came from the persistent batch
     try:
         while engine.has_unfinished_requests():
             started = time.perf_counter()
             engine.step()
             durations.append(time.perf_counter() - started)
+            kept.append(engine.scheduler.kept.last_update_kept)
     finally:
         engine.step_listener = None
-    shapes = [step_features(r.batch.query_lens, r.batch.start_positions, r.batch.sample) for r in records]
-    if engine.async_scheduling:  # call k collects step k-1
-        pairs = zip(shapes, durations[1:])
-    else:
-        pairs = zip(shapes, durations)
-    return [(shape, seconds) for shape, seconds in pairs if shape[1] or shape[4]]  # no tokens: not a step
+    skip = 1 if engine.async_scheduling else 0  # async: call k collects step k-1
+    steps = []
+    for record, seconds, from_kept in zip(records, durations[skip:], kept[skip:]):
+        shape = step_features(record.batch.query_lens, record.batch.start_positions, record.batch.sample,
+                              not from_kept)
+        if shape[1] or shape[4]:  # no tokens: not a step
+            steps.append((shape, seconds))
+    return steps
 
 
 def _now() -> str:
@@ -264,7 +269,8 @@ def from_gpu_check(path: str | Path, flag: str = "--from-gpu-check") -> Profile:
     prompt_steps = math.ceil(prompts * prompt_len / chunk)
     token_s = max(0.0, (total_s - decode_s - prompt_steps * step_s) / (prompts * prompt_len))
     costs = StepCostModel({"step_s": step_s, "prefill_token_s": token_s, "prefill_row_s": 0.0, "prefill_pair_s": 0.0,
-                           "decode_row_s": row_s, "decode_context_s": 0.0, "sampled_row_s": 0.0})
+                           "decode_row_s": row_s, "decode_context_s": 0.0, "sampled_row_s": 0.0,
+                           "rebuilt_row_s": 0.0})
     first = results.get("decode_b1", {})
     facts = {"num_kv_blocks": int(min(v.get("kv_blocks", 0) for k, v in results.items()
                                       if isinstance(v, dict) and k.startswith("decode_b") and v.get("kv_blocks"))),

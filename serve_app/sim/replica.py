@@ -84,7 +84,8 @@ class SimulatedReplica:
         if batch.is_empty:
             return None
         self.step = batch
-        seconds = self.costs.step_seconds(batch.query_lens, batch.start_positions, batch.sample)
+        seconds = self.costs.step_seconds(batch.query_lens, batch.start_positions, batch.sample,
+                                          scheduler.scheduled_by_persistent_batch() is None)
         if self.message_s:
             seconds += self.message_s * sum(batch.sample)
         self.num_steps += 1

@@ -57,7 +57,7 @@ def measure_serving(url: str, costs: StepCostModel, vocab_size: int | None = Non
         total = streams if streams == 1 else streams * replicas
         gaps = _stream_gaps(base, [body(1000 * streams + i, STREAM_TOKENS, True) for i in range(total)])
         context = PROMPT_TOKENS + STREAM_TOKENS // 2
-        predicted = costs.step_seconds([1] * streams, [context] * streams, [True] * streams)
+        predicted = costs.step_seconds([1] * streams, [context] * streams, [True] * streams, rebuilt=False)
         excess.append((streams, statistics.median(gaps) - predicted))
     message_s = max(0.0, sum(n * e for n, e in excess) / sum(n * n for n, _ in excess))
     return ServingCosts(request_s, message_s)

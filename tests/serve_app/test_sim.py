@@ -15,7 +15,8 @@ from inflight.serve_app.sim.report import summarize
 from inflight.serve_app.sim.trace import TraceRequest, at_rate, load_trace, mean_rate, write_trace
 
 COSTS = StepCostModel({"step_s": 0.010, "prefill_token_s": 1e-4, "prefill_row_s": 2e-3, "prefill_pair_s": 1e-7,
-                       "decode_row_s": 5e-4, "decode_context_s": 1e-6, "sampled_row_s": 2e-4})
+                       "decode_row_s": 5e-4, "decode_context_s": 1e-6, "sampled_row_s": 2e-4,
+                       "rebuilt_row_s": 1e-4})
 
 
 def setup(num_kv_blocks: int = 200, **engine_args) -> FleetSetup:
@@ -89,7 +90,8 @@ def test_a_trace_at_another_rate():
 def test_features_count_a_steps_prompt_and_decode_work():
     # a prompt chunk of 4 tokens from position 8, two decodes at positions 9 and 19, one prompt row not sampling
     assert step_features([4, 1, 1], [8, 9, 19], [False, True, True]) == (
-        1, 4, 1, 4 * 8 + 10, 2, 10 + 20, 2)
+        1, 4, 1, 4 * 8 + 10, 2, 10 + 20, 2, 3)
+    assert step_features([1, 1], [9, 19], [True, True], rebuilt=False)[-1] == 0  # the persistent batch's step
 
 
 def test_the_fit_recovers_the_costs_that_made_the_steps_and_drops_slowed_ones():
@@ -99,7 +101,8 @@ def test_the_fit_recovers_the_costs_that_made_the_steps_and_drops_slowed_ones():
         rows = int(rng.integers(1, 40))
         queries = [int(q) for q in rng.choice([1, 1, 1, 16, 200], size=rows)]
         starts = [int(s) for s in rng.integers(0, 900, size=rows)]
-        features.append(step_features(queries, starts, [bool(b) for b in rng.integers(0, 2, size=rows)]))
+        features.append(step_features(queries, starts, [bool(b) for b in rng.integers(0, 2, size=rows)],
+                                      rebuilt=bool(rng.integers(0, 2))))
     seconds = [COSTS.predict(f) for f in features]
     seconds[5] *= 4  # a step that waited for a core
     model = fit(features, seconds)
@@ -131,10 +134,11 @@ def test_one_request_takes_the_cost_models_time_on_the_virtual_clock():
     serving = ServingCosts(request_s=0.05, message_s=0.001)
     fleet = setup()
     fleet.serving = serving
+    fleet.costs = StepCostModel({**COSTS.coefficients, "rebuilt_row_s": 0.0})  # which steps are rebuilt: below
     result = simulate([TraceRequest(100, 5, 3.0)], fleet, 1)
     row = per_request(result)[0]
-    prefill = COSTS.step_seconds([100], [0], [True]) + serving.message_s
-    decodes = sum(COSTS.step_seconds([1], [100 + i], [True]) + serving.message_s for i in range(4))
+    prefill = fleet.costs.step_seconds([100], [0], [True]) + serving.message_s
+    decodes = sum(fleet.costs.step_seconds([1], [100 + i], [True]) + serving.message_s for i in range(4))
     # (to the virtual clock's resolution: it counts from VirtualClock.EPOCH)
     assert row["ttft_s"] == pytest.approx(serving.request_s + prefill, abs=1e-8)
     assert row["e2e_s"] == pytest.approx(serving.request_s + prefill + decodes, abs=1e-8)
@@ -142,8 +146,21 @@ def test_one_request_takes_the_cost_models_time_on_the_virtual_clock():
     assert row["output_tokens"] == 5
 
 
+def test_steps_the_persistent_batch_schedules_cost_no_rebuilt_rows():
+    only_rebuilding = StepCostModel({term: (1.0 if term == "rebuilt_row_s" else 0.0) for term in TERMS})
+    fleet = setup()
+    fleet.costs = only_rebuilding
+    trace = [TraceRequest(20, 30), TraceRequest(20, 30)]
+    kept = simulate(trace, fleet, 1).replicas[0]
+    fleet.config = EngineConfig.from_kwargs(model="demo-tiny", block_size=16, num_kv_blocks=200, persistent_batch=False)
+    rebuilt = simulate(trace, fleet, 1).replicas[0]
+    assert rebuilt.busy_s == pytest.approx(2 * rebuilt.num_steps)  # every step formed anew: 2 rows each
+    assert 2 <= kept.busy_s <= 8  # the first few form the batch, the rest run from it
+
+
 def test_a_burst_spreads_over_the_replicas_and_prefix_affinity_keeps_a_prefix_together():
-    trace = [TraceRequest(64, 8, 0.0, prefix_id=str(i % 2), prefix_tokens=48) for i in range(8)]
+    # (one after another: a prefix is cached once a request has computed it, not by one in the same batch)
+    trace = [TraceRequest(64, 40, 0.03 * i, prefix_id=str(i % 2), prefix_tokens=48) for i in range(8)]
     spread = simulate(trace, setup(), 2, "least_loaded")
     assert sorted(sum(r.times.replica == i for r in spread.requests) for i in (0, 1)) == [4, 4]
     together = simulate(trace, setup(), 2, "prefix")

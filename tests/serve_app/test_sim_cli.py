@@ -15,7 +15,7 @@ from inflight.serve_app.sim.trace import TraceRequest, write_trace
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "docs" / "gpu" / "gpu_check-2026-12-04.json"
 KNOWN_COSTS = {"step_s": 0.004, "prefill_token_s": 5e-5, "prefill_row_s": 1e-4, "prefill_pair_s": 0.0,
-               "decode_row_s": 2e-4, "decode_context_s": 0.0, "sampled_row_s": 0.0}
+               "decode_row_s": 2e-4, "decode_context_s": 0.0, "sampled_row_s": 0.0, "rebuilt_row_s": 0.0}
 
 
 def known_profile(tmp_path) -> Path:
@@ -49,7 +49,7 @@ def test_profile_measures_this_machine_and_simulate_replays_a_trace_on_it(tmp_pa
     assert set(profile.cost_model.coefficients) == set(TERMS)
     assert profile.engine["num_kv_blocks"] == 64 and profile.engine["vocab_size"] == 263
     assert profile.engine["device"] == "cpu" and profile.machine["cpu_count"] >= 1
-    assert profile.cost_model.predict((1, 0, 0, 0, 1, 17, 1)) > 0  # a decode step costs something
+    assert profile.cost_model.predict((1, 0, 0, 0, 1, 17, 1, 1)) > 0  # a decode step costs something
     assert "quick" in profile.source and "wrote" in capsys.readouterr().out
 
     trace = poisson_trace(tmp_path, num=40)
