@@ -30,6 +30,19 @@ def errors(measured: dict[str, Any], simulated: dict[str, Any], figures: Sequenc
     return out
 
 
+def mean_of(summaries: Sequence[dict[str, Any]], figures: Sequence[str] = SHOWN) -> dict[str, Any]:
+    """Each figure's mean over repeated measured runs, and its spread (max - min) / mean as ``spread_<figure>``:
+    the machine's own noise, which no prediction can beat."""
+    out: dict[str, Any] = {}
+    for name in figures:
+        values = [s[name] for s in summaries if s.get(name) is not None and math.isfinite(s[name])]
+        if values:
+            mean = sum(values) / len(values)
+            out[name] = mean
+            out[f"spread_{name}"] = (max(values) - min(values)) / mean if mean else math.nan
+    return out
+
+
 def within(errors_by_run: dict[str, dict[str, float]], bounds: dict[str, float]) -> dict[str, bool]:
     """For each run, whether every bounded figure's error is within its bound."""
     return {run: all(abs(e[name]) <= bound for name, bound in bounds.items()) for run, e in errors_by_run.items()}

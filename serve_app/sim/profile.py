@@ -133,7 +133,8 @@ class Batch:
 def plan(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_tokens: int,
          quick: bool = False) -> list[Batch]:
     """The batches a profile runs, none needing more KV than there is (nothing is preempted while measured):
-    decodes at 1, 2, 4, ... rows up to ``max_num_seqs`` over short and long contexts (the decode terms), and
+    decodes at 1, 2, 4, ... rows up to ``max_num_seqs`` over a short context and the longest the KV holds for
+    them (the decode terms), and
     decodes that end one a step (each step's batch formed anew, as under traffic); 1, 4 and 16 prompts of 32
     tokens to a few chunks (the prompt terms); and a burst of prompts of mixed lengths, whose chunks share steps
     with decodes as traffic's do."""
@@ -145,8 +146,10 @@ def plan(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_
     decode_tokens = 6 if quick else 16
     long_context = max(64, min(1024, max_model_len // 2))
     batches = [Batch.alike(16, n, decode_tokens) for n in sizes]
-    batches += [Batch.alike(long_context, n, decode_tokens) for n in sizes[::2]
-                if n * (long_context + decode_tokens) <= kv_tokens]
+    for n in sizes:  # each batch size again with as long a context as the KV holds for all of its rows (to 1024)
+        context = min(long_context, kv_tokens // n - decode_tokens - 16)
+        if context >= 64:
+            batches.append(Batch.alike(context, n, decode_tokens))
     batches += [Batch((64,) * n, tuple(range(2, n + 2))) for n in sizes[1::2] if n * (64 + n + 2) <= kv_tokens]
     longest = min(max_model_len - 2, 4 * max_num_batched_tokens, kv_tokens - 2)
     prompt_len = 32
