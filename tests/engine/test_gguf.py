@@ -257,17 +257,31 @@ def test_auto_dtype_answers_alike_computed_whole_and_from_the_prefix_cache(quant
     and the kernels use them, else float32). A bf16 residual stream moved this near-tie (float32 puts "The"
     0.08 ahead of "L") to "L'Étoile, ..."; the float32 stream under bf16 layers keeps it. Kept quantized (the
     default, `make run`'s), the int8 activations move it to "L'Étoile, la Marseillaise", as llama.cpp answers from
-    the same file: the file's 4-bit model, not ours (tests/engine/test_quantized_model.py)."""
+    the same file: the file's 4-bit model, not ours (tests/engine/test_quantized_model.py). Served from the prefix
+    cache the answer is the same, or, in bfloat16, parts from it only at a near-tie."""
     llm = LLM(SMOLLM2, device="cpu", dtype="auto", quantization=quantization)
-    if llm.engine.runner.dtype == torch.bfloat16:
+    bfloat16 = llm.engine.runner.dtype == torch.bfloat16
+    if bfloat16:
         assert llm.engine.runner.model.residual_dtype == torch.float32
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    answers = [llm.chat(messages, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
-               for _computed in ("whole", "from the prefix cache")]
-    assert answers[0] == answers[1]
+    whole, cached = (llm.chat(messages, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+                     for _computed in ("whole", "from the prefix cache"))
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
     if quantization == "none":
-        assert answers[0].startswith("The capital of France is Paris"), answers[0]
+        assert whole.text.startswith("The capital of France is Paris"), whole.text
+    if whole.token_ids == cached.token_ids or not bfloat16:
+        assert whole.token_ids == cached.token_ids
+        return
+    # bfloat16 sums in another order over a prompt computed whole than over its last block computed against cached
+    # KV (a CPU with AMX takes other kernels for the two shapes; on one, 2026-12-07, the answers parted at "la
+    # Cité" / "la Marseillaise"): where they part, the two candidates must be a near-tie, not a cache that
+    # serves wrong KV. Scored by the engine itself, the prompt and their common answer so far as one prompt.
+    at = next(i for i, (a, b) in enumerate(zip(whole.token_ids, cached.token_ids)) if a != b)
+    prompt = llm.tokenizer.chat_prompt(messages)["prompt_token_ids"] + list(whole.token_ids[:at])
+    top = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1,
+                                                                         logprobs=5))[0].outputs[0].logprobs[0]
+    assert whole.token_ids[at] in top and cached.token_ids[at] in top, (at, top)
+    assert abs(top[whole.token_ids[at]].logprob - top[cached.token_ids[at]].logprob) < 0.5, (at, top)
 
 
 @pytest.mark.slow
