@@ -2,7 +2,8 @@
 50-800 tokens, 20-200 output tokens) across ``--replicas`` replicas, on a profile (``--profile``; by default one
 of made-up costs near the real model's on this CPU, since only the simulator's own speed is measured here), at
 ``--load`` of the fleet's simulated capacity. Reports the wall time, the simulated span and their ratio, steps
-simulated per second. The target (issue 44): 10,000 requests on 8 replicas in under a minute.
+simulated per second. The target (issue 44): 10,000 requests on 8 replicas in under a minute. ``--write-trace``
+keeps the trace for ``inflight simulate``.
 
     python -m benchmarks.micro.simulator_speed --num-requests 10000 --replicas 8 --json out.json
 """
@@ -25,7 +26,7 @@ from inflight.serve_app.sim.cost_model import StepCostModel
 from inflight.serve_app.sim.fleet import FleetSetup, simulate
 from inflight.serve_app.sim.profile import Profile
 from inflight.serve_app.sim.report import summarize
-from inflight.serve_app.sim.trace import TraceRequest
+from inflight.serve_app.sim.trace import TraceRequest, write_trace
 
 TARGET_S = 60.0  # 10,000 requests on 8 replicas
 # near SmolLM2-135M's float32 steps on this CPU, one thread: only the simulator's speed is measured
@@ -46,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", help="a profile (default: made-up costs near the real model's here)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
+    parser.add_argument("--write-trace", metavar="PATH", help="also write the trace (JSONL), for `inflight simulate`")
     args = parser.parse_args(argv)
     if args.profile:
         setup = fleet_setup(Profile.load(args.profile), {})
@@ -58,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rate = args.load * capacity
     arrivals = arrival_times(args.num_requests, rate, seed=args.seed)
     trace = [TraceRequest(p, o, a) for (p, o), a in zip(lengths, arrivals)]
+    if args.write_trace:
+        write_trace(args.write_trace, trace)
     started = time.perf_counter()
     result = simulate(trace, setup, args.replicas)
     wall = time.perf_counter() - started

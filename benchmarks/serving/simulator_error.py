@@ -2,8 +2,9 @@
 
 1. The server: ``scripts/serve.sh`` (what ``make run`` runs) on a config of ``--replicas`` replicas of ``--model``,
    each one compute thread, the benchmark's engine arguments (CPU, float32, 500 KV blocks of 16, 64 slots).
-2. A profile: the engine alone in this process (one thread, the server idle), then the serving path's costs per
-   request and per streamed token measured on the server (``inflight profile --serving-url``'s).
+2. A profile: the engine alone in this process (one thread, the server idle; ``--profile`` reuses one), then the
+   serving path's costs measured on the server (``inflight profile --serving-url``'s: per request, the slowdown
+   of a step in the server, per streamed token).
 3. The seed workload at ``--rate-fractions`` of the fleet's capacity (the simulator's all-at-once throughput for
    the fleet), Poisson arrivals: streamed through the server (``benchmarks.serving.serving.run_load``), and
    simulated with ``--replicas`` replicas behind the router's least-loaded choice.
@@ -66,7 +67,8 @@ def parse_args(argv: Sequence[str] | None = None):
     parser.add_argument("--num-requests", type=positive_int, default=96)
     parser.add_argument("--rate-fractions", type=comma_separated, default=[0.3, 0.6],
                         help="request rates as fractions of the fleet's simulated capacity")
-    parser.add_argument("--profile", help="reuse a profile (with serving costs) instead of measuring one")
+    parser.add_argument("--profile", help="reuse an engine profile instead of measuring one (the serving path's costs "
+                                          "are measured on this server either way)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -90,10 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.profile:
             profile = Profile.load(args.profile)
         else:
-            print("profiling the engine, then the server's serving path ...", file=sys.stderr, flush=True)
+            print("profiling the engine ...", file=sys.stderr, flush=True)
             profile = measure(model.engine_model, {**engine_kwargs, "max_model_len": 2048}, progress=lambda b: tqdm(
                 b, desc="profiling", unit="batch", file=sys.stderr))
-            profile.serving = measure_serving(url, profile.cost_model, profile.engine["vocab_size"])
+        print("measuring the server's serving path ...", file=sys.stderr, flush=True)
+        profile.serving = measure_serving(url, profile.cost_model, profile.engine["vocab_size"])
         requests = build_workload("seed", args.num_requests, args.seed, model=model)
         setup = fleet_setup(profile, {})
         capacity_run = summarize(simulate(trace_of(requests, [0.0] * len(requests)), setup, args.replicas))
@@ -113,8 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop(server)
         log.close()
     print_comparison(f"inflight simulate vs `make run` with {args.replicas} replicas, {model.name} "
-                     f"({profile.describe()}; serving {profile.serving.request_s * 1e3:.1f} ms a request, "
-                     f"{profile.serving.message_s * 1e3:.2f} ms a token)", runs, SERVING_BOUNDS)
+                     f"({profile.describe()}; serving {profile.serving.request_s * 1e3:.1f} ms a request, steps "
+                     f"x{profile.serving.step_factor:.2f}, {profile.serving.message_s * 1e3:.2f} ms a token)", runs,
+                     SERVING_BOUNDS)
     errors_by_run = {label: errors(m, s) for label, m, s in runs}
     verdict = within(errors_by_run, SERVING_BOUNDS)
     print("within bounds (output tok/s and mean TTFT 15%): "

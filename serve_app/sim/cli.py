@@ -24,9 +24,10 @@ from typing import Any, Sequence
 
 from inflight.engine.config import EngineConfig
 from inflight.serve_app import cli_args
-from inflight.serve_app.sim.fleet import ROUTERS, FleetSetup, ServingCosts, per_request, simulate
+from inflight.serve_app.sim.fleet import ROUTERS, FleetSetup, per_request, simulate
 from inflight.serve_app.sim.profile import Profile
 from inflight.serve_app.sim.report import SLO_METRICS, plot_run, plot_sweep, slo_value, summarize, summary_table
+from inflight.serve_app.sim.serving_costs import ServingCosts
 from inflight.serve_app.sim.trace import TraceRequest, at_rate, load_trace, mean_rate
 
 ENGINE_FIELDS = [field for field in cli_args.dataclass_fields(EngineConfig) if field.name != "model"]
@@ -91,8 +92,8 @@ def profile_main(argv: Sequence[str] | None = None, prog: str = "inflight profil
         print(f"  fit: median error {error['median_relative_error']:.1%}, p90 {error['p90_relative_error']:.1%} "
               f"over {error['steps']} steps ({error['dropped_slow_steps']} dropped as slowed by other work)")
     if result.serving != ServingCosts():
-        print(f"  serving: {result.serving.request_s * 1e3:.2f} ms a request, {result.serving.message_s * 1e3:.3f} ms "
-              "a streamed token")
+        print(f"  serving: {result.serving.request_s * 1e3:.2f} ms a request, steps x{result.serving.step_factor:.2f}, "
+              f"{result.serving.message_s * 1e3:.3f} ms a streamed token")
     for note in result.notes:
         print(f"  note: {note}")
     return 0

@@ -5,8 +5,8 @@ each last reported and what the router has in flight on each, as ``serve_app/rou
 router; over ``max_pending_requests`` in flight it is refused, as the router's 429), reaches its replica's engine
 ``request_s`` later (the serving path's fixed cost: HTTP, tokenizing, the hop), and a replica's step ends (its
 tokens are applied, the next batch scheduled at once). A step takes what the profile's cost model says its shape
-costs, plus ``message_s`` for each token it streams out (the replica's work per message: text, framing, sending,
-on the cores the engine uses). Not modelled: the network between nodes, other work on the machine (the profile's machine is the model), client
+costs, times ``step_factor``, plus ``message_s`` for each token it streams out (``ServingCosts``, measured on a
+server: ``serving_costs.py``). Not modelled: the network between nodes, other work on the machine (the profile's machine is the model), client
 timeouts and retries, speculative decoding, requests that generate nothing (the prefill lane).
 """
 
@@ -24,6 +24,7 @@ from inflight.serve_app.messages import GenerateRequest
 from inflight.serve_app.routing import RoutingPolicy
 from inflight.serve_app.sim.cost_model import StepCostModel
 from inflight.serve_app.sim.replica import RequestTimes, SimulatedReplica, VirtualClock
+from inflight.serve_app.sim.serving_costs import ServingCosts
 from inflight.serve_app.sim.trace import TraceRequest
 
 ROUTERS = {"least_loaded": "least_loaded", "prefix": "prefix_affinity", "power_of_two": "power_of_two",
@@ -31,15 +32,6 @@ ROUTERS = {"least_loaded": "least_loaded", "prefix": "prefix_affinity", "power_o
 # At equal times: arrivals, then requests reaching their engines, then step ends (whose next batch takes those
 # requests), then idle engines waking (so requests that reach an idle engine together share its first batch).
 _ARRIVE, _ENGINE, _STEP_DONE, _WAKE = 0, 1, 2, 3
-
-
-@dataclass(frozen=True)
-class ServingCosts:
-    """The serving path's costs around the engine: the latency before a request reaches it, and the time a step
-    takes longer for each token it streams out."""
-
-    request_s: float = 0.0
-    message_s: float = 0.0
 
 
 @dataclass
@@ -90,7 +82,7 @@ def simulate(trace: Sequence[TraceRequest], setup: FleetSetup, num_replicas: int
     clock = VirtualClock()
     start = clock.now
     replicas = [SimulatedReplica(i, setup.config, setup.num_kv_blocks, setup.window, setup.costs, clock,
-                                 setup.serving.message_s)
+                                 setup.serving)
                 for i in range(num_replicas)]
     policy = RoutingPolicy(ROUTERS[router], seed=seed)
     prefix_routing = policy.policy == "prefix_affinity"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from inflight.serve_app.sim.cost_model import StepCostModel, fit, step_features
-from inflight.serve_app.sim.fleet import ServingCosts
+from inflight.serve_app.sim.serving_costs import ServingCosts
 from inflight.serve_app.sim.trace import synthetic_tokens
 
 PROFILE_FORMAT = 1
@@ -78,7 +78,8 @@ class Profile:
             serving = record.get("serving") or {}
             return cls(model=str(record["model"]), engine_args=dict(record.get("engine_args") or {}), engine=engine,
                        cost_model=StepCostModel.from_json(record["cost_model"]),
-                       serving=ServingCosts(float(serving.get("request_s", 0.0)), float(serving.get("message_s", 0.0))),
+                       serving=ServingCosts(float(serving.get("request_s", 0.0)), float(serving.get("message_s", 0.0)),
+                                            float(serving.get("step_factor", 1.0))),
                        machine=dict(record.get("machine") or {}), source=str(record.get("source", "")),
                        notes=list(record.get("notes") or []), created=str(record.get("created", "")))
         except (KeyError, TypeError, ValueError) as e:

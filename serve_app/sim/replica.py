@@ -19,6 +19,7 @@ from inflight.engine.scheduler import make_scheduler
 from inflight.engine.scheduler_output import SchedulerOutput
 from inflight.serve_app.messages import ReplicaStats
 from inflight.serve_app.sim.cost_model import StepCostModel
+from inflight.serve_app.sim.serving_costs import ServingCosts
 
 SAMPLED_TOKEN_ID = 1  # what every simulated step samples (requests have no end-of-sequence ids here)
 
@@ -48,14 +49,15 @@ class RequestTimes:
 
 class SimulatedReplica:
     def __init__(self, index: int, config: EngineConfig, num_kv_blocks: int, window: tuple[int, int] | None,
-                 costs: StepCostModel, clock: VirtualClock, message_s: float = 0.0) -> None:
+                 costs: StepCostModel, clock: VirtualClock, serving: ServingCosts | None = None) -> None:
         self.index = index
         self.replica_id = f"replica-{index}"
         self.config = config
         self.scheduler = make_scheduler(config, num_kv_blocks, window)
         self.scheduler.clock = clock
         self.costs = costs
-        self.message_s = message_s  # the serving path's time per streamed token (fleet.ServingCosts)
+        serving = serving or ServingCosts()
+        self.step_factor, self.message_s = serving.step_factor, serving.message_s
         self.clock = clock
         self.step: SchedulerOutput | None = None  # the batch on the simulated device, if any
         self.times: dict[str, RequestTimes] = {}
@@ -86,8 +88,8 @@ class SimulatedReplica:
         self.step = batch
         seconds = self.costs.step_seconds(batch.query_lens, batch.start_positions, batch.sample,
                                           scheduler.scheduled_by_persistent_batch() is None)
-        if self.message_s:
-            seconds += self.message_s * sum(batch.sample)
+        if self.step_factor != 1.0 or self.message_s:
+            seconds = seconds * self.step_factor + self.message_s * sum(batch.sample)
         self.num_steps += 1
         self.busy_s += seconds
         self.kv_times.append(self.clock.now)

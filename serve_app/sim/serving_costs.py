@@ -2,10 +2,12 @@
 
 * Per request: single completions of one token, one after another; what each takes beyond the engine's predicted
   prompt step is the fixed cost of HTTP, tokenizing and the router's hop (``ServingCosts.request_s``).
-* Per streamed token: 1 and then ``CONCURRENT`` streams per replica at once (the server's /stats says how many
-  replicas it has; the router spreads the streams); the gap between two of a stream's tokens beyond the engine's
-  predicted decode step, per stream in the step, is what each message adds to a step (``ServingCosts.message_s``:
-  on a machine whose cores the router and proxy share with the engine it is real).
+* Per step: 1, 4 and 8 streams per replica at once (the server's /stats says how many replicas it has; the router
+  spreads the streams, so every replica is busy). The gap between two of a stream's tokens against the engine's
+  predicted decode step is fitted to ``step_factor`` x the step + ``message_s`` x the streams in it: how much
+  slower a step runs in the server (its engine shares the cores with the other replicas' engines, the router,
+  the proxy and the replicas' front ends: on this 2-core machine that is most of it; on a GPU, ~1) and what each
+  streamed message adds (the replica's work per message).
 """
 
 from __future__ import annotations
@@ -14,14 +16,27 @@ import json
 import statistics
 import threading
 import time
+from dataclasses import dataclass
+
+import numpy as np
 
 from inflight.serve_app.sim.cost_model import StepCostModel
-from inflight.serve_app.sim.fleet import ServingCosts
 from inflight.serve_app.sim.trace import synthetic_tokens
+
+@dataclass(frozen=True)
+class ServingCosts:
+    """The serving path's costs around the engine: the latency before a request reaches it, how much slower a step
+    runs in the server than the engine alone (``step_factor``: the cores it shares), and the time a step takes
+    longer for each token it streams out."""
+
+    request_s: float = 0.0
+    message_s: float = 0.0
+    step_factor: float = 1.0
+
 
 PROMPT_TOKENS = 32
 STREAM_TOKENS = 48
-CONCURRENT = 8
+STREAMS_PER_REPLICA = (1, 4, 8)
 SINGLE_REQUESTS = 12
 
 
@@ -52,15 +67,27 @@ def measure_serving(url: str, costs: StepCostModel, vocab_size: int | None = Non
             latencies.append(time.perf_counter() - started)
     prompt_step = costs.step_seconds([PROMPT_TOKENS], [0], [True])
     request_s = max(0.0, statistics.median(latencies) - prompt_step)
-    excess = []  # (streams, seconds a step took beyond the engine's prediction)
-    for streams in (1, CONCURRENT):
-        total = streams if streams == 1 else streams * replicas
-        gaps = _stream_gaps(base, [body(1000 * streams + i, STREAM_TOKENS, True) for i in range(total)])
+    predicted, gaps = [], []  # per load: the engine's predicted decode step, and the median gap the streams saw
+    for streams in STREAMS_PER_REPLICA:
+        bodies = [body(1000 * streams + i, STREAM_TOKENS, True) for i in range(streams * replicas)]
+        gaps.append(statistics.median(_stream_gaps(base, bodies)))
         context = PROMPT_TOKENS + STREAM_TOKENS // 2
-        predicted = costs.step_seconds([1] * streams, [context] * streams, [True] * streams, rebuilt=False)
-        excess.append((streams, statistics.median(gaps) - predicted))
-    message_s = max(0.0, sum(n * e for n, e in excess) / sum(n * n for n, _ in excess))
-    return ServingCosts(request_s, message_s)
+        predicted.append(costs.step_seconds([1] * streams, [context] * streams, [True] * streams, rebuilt=False))
+    step_factor, message_s = fit_step_costs(predicted, list(STREAMS_PER_REPLICA), gaps)
+    return ServingCosts(request_s, message_s, step_factor)
+
+
+def fit_step_costs(predicted: list[float], streams: list[int], gaps: list[float]) -> tuple[float, float]:
+    """(step_factor, message_s) with gap = step_factor x predicted + message_s x streams, least squares, neither
+    negative (a term that would be is dropped and the other refitted)."""
+    x = np.array([predicted, streams], dtype=np.float64).T
+    y = np.array(gaps, dtype=np.float64)
+    (factor, per_message), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if per_message < 0:
+        return float(x[:, 0] @ y / (x[:, 0] @ x[:, 0])), 0.0
+    if factor < 0:
+        return 0.0, float(x[:, 1] @ y / (x[:, 1] @ x[:, 1]))
+    return float(factor), float(per_message)
 
 
 def _stream_gaps(base: str, bodies: list[dict]) -> list[float]:
