@@ -386,6 +386,20 @@ def speculative_runs(model_dir: Path, args, num_requests: int = 4, prompt_len: i
 
 
 # -- driver ------------------------------------------------------------------------------------------
+def gpu_profile(model_dir: Path, args) -> dict[str, Any]:
+    """What a step costs on this GPU by its shape (``inflight profile --quick``: serve_app/sim/profile.py), for
+    sizing a fleet with ``inflight simulate``; the JSON ``inflight profile --from-gpu-check`` takes."""
+    from inflight.serve_app.sim.profile import measure
+
+    try:
+        return measure(str(model_dir), dict(load_format="dummy", dtype=args.dtype, max_num_seqs=256,
+                                            max_num_batched_tokens=8192, max_model_len=4096,
+                                            attention_backend=args.attention_backend,
+                                            gpu_memory_utilization=args.gpu_memory_utilization), quick=True).to_json()
+    finally:
+        free_cuda()
+
+
 def run_section(results: dict, name: str, fn: Callable[[], Any]) -> None:
     t0 = time.perf_counter()
     if t0 > results["_deadline"]:
@@ -414,8 +428,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the seed workload's two loops) exact: in bfloat16 a random-weight model's near-tied logits "
                              "follow each kernel's rounding")
     parser.add_argument("--kernel-test-timeout", type=int, default=200)
-    parser.add_argument("--sections", default="kernels,bandwidth,decode,speculative,transformers,seed",
-                        help="comma-separated subset of kernels,bandwidth,decode,speculative,transformers,seed")
+    parser.add_argument("--sections", default="kernels,bandwidth,decode,speculative,transformers,seed,profile",
+                        help="comma-separated subset of kernels,bandwidth,decode,speculative,transformers,seed,"
+                             "profile")
     parser.add_argument("--seed-requests", type=int, default=64)
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="sections that would start after this many seconds are skipped (the script must "
@@ -491,6 +506,8 @@ def main(argv=None) -> int:
             results["seed_same_tokens"] = {
                 "async_vs_sync": sum(a == b for a, b in zip(cont, cont_sync)),
                 "continuous_vs_static": sum(a == b for a, b in zip(cont, static)), "requests": len(static)}
+    if "profile" in sections:  # `inflight profile --quick` of this model here: `inflight profile --from-gpu-check`
+        run_section(results, "profile", lambda: gpu_profile(model_dir, args))
     if "transformers" in sections:  # last: the slowest and least predictable
         num, new = (8, 16) if args.quick else (64, 64)
         prompts = random_prompts(num, 512, seed=1)

@@ -67,8 +67,13 @@ class Profile:
             record = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{flag} {path}: not JSON ({e.msg})") from None
+        return cls.from_json(record, f"{flag} {path}")
+
+    @classmethod
+    def from_json(cls, record: Any, where: str) -> "Profile":
+        """A profile from its JSON (``to_json``'s); ``ValueError`` starting with ``where`` otherwise."""
         if not isinstance(record, dict) or record.get("format") != PROFILE_FORMAT:
-            raise ValueError(f"{flag} {path}: not an inflight profile (format {PROFILE_FORMAT}); "
+            raise ValueError(f"{where}: not an inflight profile (format {PROFILE_FORMAT}); "
                              "write one with `inflight profile MODEL --out FILE`")
         try:
             engine = record["engine"]
@@ -83,7 +88,7 @@ class Profile:
                        machine=dict(record.get("machine") or {}), source=str(record.get("source", "")),
                        notes=list(record.get("notes") or []), created=str(record.get("created", "")))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{flag} {path}: {e}") from None
+            raise ValueError(f"{where}: {e}") from None
 
     def describe(self) -> str:
         facts = self.engine
@@ -245,16 +250,21 @@ def _now() -> str:
 
 # -- a GPU check's results --------------------------------------------------------------------------------------
 def from_gpu_check(path: str | Path, flag: str = "--from-gpu-check") -> Profile:
-    """A profile from ``benchmarks/micro/gpu_check.sh``'s JSON: its decode steps (1, 64, 256 rows, prompts of 512,
-    async scheduling) give the fixed and per-row decode costs; its prompt-heavy run (64 prompts of 512 tokens,
-    64 tokens each, ``same_workload_ours``) less those decode steps gives the cost of a prompt token. The context
-    terms are not separable there (every decode point is at ~530 tokens of context): they are folded into the
-    per-row cost and said so in the profile's notes."""
+    """A profile from ``benchmarks/micro/gpu_check.sh``'s JSON: the profile its ``profile`` section measured (checks
+    since 2026-12-07), else one derived from its other sections: the decode steps (1, 64, 256 rows, prompts of
+    512, async scheduling) give the fixed and per-row decode costs; the prompt-heavy run (64 prompts of 512
+    tokens, 64 tokens each, ``same_workload_ours``) less those decode steps gives the cost of a prompt token. The
+    context terms are not separable there (every decode point is at ~530 tokens of context): they are folded into
+    the per-row cost and said so in the profile's notes."""
     path = Path(path)
     try:
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{flag} {path}: cannot read it ({e})") from None
+    if isinstance(results, dict) and isinstance(results.get("profile"), dict) and "cost_model" in results["profile"]:
+        measured = Profile.from_json(results["profile"], f"{flag} {path}, its profile section")
+        measured.source = f"gpu_check {path.name}: {measured.source}"
+        return measured
     points = [(value["batch"], value["step_ms"] / 1e3) for key, value in results.items()
               if isinstance(value, dict) and key.startswith("decode_b") and key.count("_") == 1
               and "step_ms" in value and value.get("quantization", "auto") == "auto"]

@@ -94,6 +94,15 @@ def test_a_gpu_checks_results_make_a_profile_that_sizes_a_fleet(tmp_path, capsys
     assert "meet" in said.out and "gpu_check gpu_check-2026-12-04.json" in said.out + said.err
 
 
+def test_a_gpu_check_that_measured_a_profile_gives_that_profile(tmp_path):
+    check = tmp_path / "gpu_check.json"
+    check.write_text(json.dumps({"device": "NVIDIA H200", "profile": json.loads(known_profile(tmp_path).read_text())}))
+    out = tmp_path / "gpu.json"
+    assert main(["profile", "--from-gpu-check", str(check), "--out", str(out)]) == 0
+    profile = Profile.load(out)
+    assert profile.cost_model.coefficients == KNOWN_COSTS and profile.source == "gpu_check gpu_check.json: made up for a test"
+
+
 def test_sweep_draws_both_batching_modes_and_finds_the_crossover(tmp_path, capsys):
     out, plots = tmp_path / "sweep.json", tmp_path / "plots"
     assert main(["simulate", "--profile", str(known_profile(tmp_path)), "--trace", str(poisson_trace(tmp_path, 60)),
