@@ -116,9 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop(server)
         log.close()
     print_comparison(f"inflight simulate vs `make run` with {args.replicas} replicas, {model.name} "
-                     f"({profile.describe()}; serving {profile.serving.request_s * 1e3:.1f} ms a request, steps "
-                     f"x{profile.serving.step_factor:.2f}, {profile.serving.message_s * 1e3:.2f} ms a token)", runs,
-                     SERVING_BOUNDS)
+                     f"({profile.describe()}; serving {profile.serving})", runs, SERVING_BOUNDS)
     errors_by_run = {label: errors(m, s) for label, m, s in runs}
     verdict = within(errors_by_run, SERVING_BOUNDS)
     print("within bounds (output tok/s and mean TTFT 15%): "

@@ -18,8 +18,10 @@ from inflight.engine.request import Request
 from inflight.engine.scheduler import make_scheduler
 from inflight.engine.scheduler_output import SchedulerOutput
 from inflight.serve_app.messages import ReplicaStats
-from inflight.serve_app.sim.cost_model import StepCostModel
+from inflight.serve_app.sim.cost_model import StepCostModel, step_features
 from inflight.serve_app.sim.serving_costs import ServingCosts
+
+NO_SERVING = ServingCosts()
 
 SAMPLED_TOKEN_ID = 1  # what every simulated step samples (requests have no end-of-sequence ids here)
 
@@ -56,8 +58,7 @@ class SimulatedReplica:
         self.scheduler = make_scheduler(config, num_kv_blocks, window)
         self.scheduler.clock = clock
         self.costs = costs
-        serving = serving or ServingCosts()
-        self.step_factor, self.message_s = serving.step_factor, serving.message_s
+        self.serving = serving or ServingCosts()
         self.clock = clock
         self.step: SchedulerOutput | None = None  # the batch on the simulated device, if any
         self.times: dict[str, RequestTimes] = {}
@@ -86,10 +87,15 @@ class SimulatedReplica:
         if batch.is_empty:
             return None
         self.step = batch
-        seconds = self.costs.step_seconds(batch.query_lens, batch.start_positions, batch.sample,
-                                          scheduler.scheduled_by_persistent_batch() is None)
-        if self.step_factor != 1.0 or self.message_s:
-            seconds = seconds * self.step_factor + self.message_s * sum(batch.sample)
+        features = step_features(batch.query_lens, batch.start_positions, batch.sample,
+                                 scheduler.scheduled_by_persistent_batch() is None)
+        serving = self.serving
+        if serving == NO_SERVING:
+            seconds = self.costs.predict(features)
+        else:  # in a server: its costs around the engine's (serving_costs.py)
+            prompt, rest = self.costs.split(features)
+            seconds = ((prompt * serving.prompt_factor + rest) * serving.step_factor
+                       + serving.message_s * features[6])
         self.num_steps += 1
         self.busy_s += seconds
         self.kv_times.append(self.clock.now)

@@ -1,7 +1,9 @@
 """The serving path's own costs, measured on a running server against a profile's engine step costs.
 
-* Per request: single completions of one token, one after another; what each takes beyond the engine's predicted
-  prompt step is the fixed cost of HTTP, tokenizing and the router's hop (``ServingCosts.request_s``).
+* Per request: single completions of one token, one after another, of a short and a long prompt: what each takes
+  beyond the engine's predicted prompt step is the fixed cost of HTTP, tokenizing and the router's hop
+  (``ServingCosts.request_s``) and how much slower a prompt computes in the server (``prompt_factor``: on this
+  2-core machine the served engine's prompt steps ran ~20% slower than the engine's alone).
 * Per step: 1, 4 and 8 streams per replica at once (the server's /stats says how many replicas it has; the router
   spreads the streams, so every replica is busy). The gap between two of a stream's tokens against the engine's
   predicted decode step is fitted to ``step_factor`` x the step + ``message_s`` x the streams in it: how much
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inflight.serve_app.sim.cost_model import StepCostModel
+from inflight.serve_app.sim.cost_model import StepCostModel, step_features
 from inflight.serve_app.sim.trace import synthetic_tokens
 
 @dataclass(frozen=True)
@@ -32,9 +34,11 @@ class ServingCosts:
     request_s: float = 0.0
     message_s: float = 0.0
     step_factor: float = 1.0
+    prompt_factor: float = 1.0  # a prompt's compute in the server against the engine alone (StepCostModel.split)
 
 
 PROMPT_TOKENS = 32
+LONG_PROMPT_TOKENS = 512
 STREAM_TOKENS = 48
 STREAMS_PER_REPLICA = (1, 4, 8)
 SINGLE_REQUESTS = 12
@@ -55,18 +59,25 @@ def measure_serving(url: str, costs: StepCostModel, vocab_size: int | None = Non
         except (httpx.HTTPError, KeyError, ValueError, TypeError):
             replicas = 1
 
-        def body(index: int, max_tokens: int, stream: bool) -> dict:
-            return {"model": model, "prompt": synthetic_tokens(f"serving:{index}", PROMPT_TOKENS, vocab_size),
+        def body(index: int, max_tokens: int, stream: bool, prompt_tokens: int = PROMPT_TOKENS) -> dict:
+            return {"model": model, "prompt": synthetic_tokens(f"serving:{index}", prompt_tokens, vocab_size),
                     "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
 
         client.post(f"{base}/v1/completions", json=body(-1, 4, False)).raise_for_status()  # warm-up
-        latencies = []
-        for i in range(SINGLE_REQUESTS):
-            started = time.perf_counter()
-            client.post(f"{base}/v1/completions", json=body(i, 1, False)).raise_for_status()
-            latencies.append(time.perf_counter() - started)
-    prompt_step = costs.step_seconds([PROMPT_TOKENS], [0], [True])
-    request_s = max(0.0, statistics.median(latencies) - prompt_step)
+        latency = {}  # prompt length -> the median time of a one-token completion, the fleet otherwise idle
+        for length in (PROMPT_TOKENS, LONG_PROMPT_TOKENS):
+            times = []
+            for i in range(SINGLE_REQUESTS // 2):
+                started = time.perf_counter()
+                client.post(f"{base}/v1/completions", json=body(100 * length + i, 1, False, length)).raise_for_status()
+                times.append(time.perf_counter() - started)
+            latency[length] = statistics.median(times)
+    # latency = request_s + prompt_factor x the prompt's predicted compute + the rest of its step
+    (short_prompt, short_rest), (long_prompt, long_rest) = (
+        costs.split(step_features([n], [0], [True])) for n in (PROMPT_TOKENS, LONG_PROMPT_TOKENS))
+    prompt_factor = max(0.0, (latency[LONG_PROMPT_TOKENS] - latency[PROMPT_TOKENS] - (long_rest - short_rest))
+                        / (long_prompt - short_prompt))
+    request_s = max(0.0, latency[PROMPT_TOKENS] - prompt_factor * short_prompt - short_rest)
     predicted, gaps = [], []  # per load: the engine's predicted decode step, and the median gap the streams saw
     for streams in STREAMS_PER_REPLICA:
         bodies = [body(1000 * streams + i, STREAM_TOKENS, True) for i in range(streams * replicas)]
@@ -74,7 +85,7 @@ def measure_serving(url: str, costs: StepCostModel, vocab_size: int | None = Non
         context = PROMPT_TOKENS + STREAM_TOKENS // 2
         predicted.append(costs.step_seconds([1] * streams, [context] * streams, [True] * streams, rebuilt=False))
     step_factor, message_s = fit_step_costs(predicted, list(STREAMS_PER_REPLICA), gaps)
-    return ServingCosts(request_s, message_s, step_factor)
+    return ServingCosts(request_s, message_s, step_factor, prompt_factor)
 
 
 def fit_step_costs(predicted: list[float], streams: list[int], gaps: list[float]) -> tuple[float, float]:

@@ -155,6 +155,9 @@ def test_a_server_slowing_every_step_scales_it_and_each_streamed_token_adds_its_
     served = simulate(trace, fleet, 1).replicas[0]
     assert served.num_steps == plain.num_steps == 20
     assert served.busy_s == pytest.approx(1.5 * plain.busy_s + 0.002 * 20)
+    fleet.serving = ServingCosts(prompt_factor=2.0)  # the prompt step's prompt terms only
+    prompt = COSTS.split(step_features([100], [0], [True]))[0]
+    assert simulate(trace, fleet, 1).replicas[0].busy_s == pytest.approx(plain.busy_s + prompt)
 
 
 def test_the_serving_fit_recovers_a_slowdown_and_a_per_token_cost():
