@@ -3,8 +3,8 @@
 1. The server: ``scripts/serve.sh`` (what ``make run`` runs) on a config of ``--replicas`` replicas of ``--model``,
    each one compute thread, the benchmark's engine arguments (CPU, float32, 500 KV blocks of 16, 64 slots).
 2. A profile: the engine alone in this process (one thread, the server idle; ``--profile`` reuses one), then the
-   serving path's costs measured on the server (``inflight profile --serving-url``'s: per request, the slowdown
-   of a step in the server, per streamed token).
+   serving path's costs measured on the server (``inflight profile --serving-url``'s: per request and per
+   streamed token).
 3. The seed workload at ``--rate-fractions`` of the fleet's capacity (the simulator's all-at-once throughput for
    the fleet), Poisson arrivals: streamed through the server (``benchmarks.serving.serving.run_load``), and
    simulated with ``--replicas`` replicas behind the router's least-loaded choice.

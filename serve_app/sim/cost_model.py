@@ -72,12 +72,6 @@ class StepCostModel:
         return (w[0] * features[0] + w[1] * features[1] + w[2] * features[2] + w[3] * features[3]
                 + w[4] * features[4] + w[5] * features[5] + w[6] * features[6] + w[7] * features[7])
 
-    def split(self, features: Sequence[float]) -> tuple[float, float]:
-        """(the prompt terms' seconds, the rest's): what ``ServingCosts.prompt_factor`` scales, and what it does not."""
-        w = self._w
-        prompt = w[1] * features[1] + w[2] * features[2] + w[3] * features[3]
-        return prompt, self.predict(features) - prompt
-
     def step_seconds(self, query_lens: Sequence[int], start_positions: Sequence[int], sample: Sequence[bool],
                      rebuilt: bool = True) -> float:
         return self.predict(step_features(query_lens, start_positions, sample, rebuilt))

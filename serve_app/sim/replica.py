@@ -21,8 +21,6 @@ from inflight.serve_app.messages import ReplicaStats
 from inflight.serve_app.sim.cost_model import StepCostModel, step_features
 from inflight.serve_app.sim.serving_costs import ServingCosts
 
-NO_SERVING = ServingCosts()
-
 SAMPLED_TOKEN_ID = 1  # what every simulated step samples (requests have no end-of-sequence ids here)
 
 
@@ -58,7 +56,7 @@ class SimulatedReplica:
         self.scheduler = make_scheduler(config, num_kv_blocks, window)
         self.scheduler.clock = clock
         self.costs = costs
-        self.serving = serving or ServingCosts()
+        self.message_s = (serving or ServingCosts()).message_s
         self.clock = clock
         self.step: SchedulerOutput | None = None  # the batch on the simulated device, if any
         self.times: dict[str, RequestTimes] = {}
@@ -89,13 +87,9 @@ class SimulatedReplica:
         self.step = batch
         features = step_features(batch.query_lens, batch.start_positions, batch.sample,
                                  scheduler.scheduled_by_persistent_batch() is None)
-        serving = self.serving
-        if serving == NO_SERVING:
-            seconds = self.costs.predict(features)
-        else:  # in a server: its costs around the engine's (serving_costs.py)
-            prompt, rest = self.costs.split(features)
-            seconds = ((prompt * serving.prompt_factor + rest) * serving.step_factor
-                       + serving.message_s * features[6])
+        seconds = self.costs.predict(features)
+        if self.message_s:  # in a server: what each streamed token adds (serving_costs.py)
+            seconds += self.message_s * features[6]
         self.num_steps += 1
         self.busy_s += seconds
         self.kv_times.append(self.clock.now)

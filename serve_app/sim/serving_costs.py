@@ -1,15 +1,16 @@
 """The serving path's own costs, measured on a running server against a profile's engine step costs.
 
-* Per request: single completions of one token, one after another, of a short and a long prompt: what each takes
-  beyond the engine's predicted prompt step is the fixed cost of HTTP, tokenizing and the router's hop
-  (``ServingCosts.request_s``) and how much slower a prompt computes in the server (``prompt_factor``: on this
-  2-core machine the served engine's prompt steps ran ~20% slower than the engine's alone).
-* Per step: 1, 4 and 8 streams per replica at once (the server's /stats says how many replicas it has; the router
-  spreads the streams, so every replica is busy). The gap between two of a stream's tokens against the engine's
-  predicted decode step is fitted to ``step_factor`` x the step + ``message_s`` x the streams in it: how much
-  slower a step runs in the server (its engine shares the cores with the other replicas' engines, the router,
-  the proxy and the replicas' front ends: on this 2-core machine that is most of it; on a GPU, ~1) and what each
-  streamed message adds (the replica's work per message).
+* Per request: one-token completions of a short prompt, one after another; what each takes beyond the engine's
+  predicted prompt step is the fixed cost of HTTP, tokenizing and the router's hop (``ServingCosts.request_s``).
+* Per streamed token: 1 and then 8 streams per replica at once (the server's /stats says how many replicas it has;
+  the router spreads the streams); the gap between two of a stream's tokens beyond the engine's predicted decode
+  step, per stream in the step, is what each message adds to a step (``message_s``: the replica's work per
+  message, on the cores the engine uses).
+
+Tried and left out (2026-12-07, docs/benchmarks.md "Issue 44"): a factor on every step and one on prompt work,
+fitted from the same probes. On this 2-core machine both came out near 1 (or below: the fit traded them against
+``message_s``), though under load a served prompt step runs ~20% slower than the engine's alone: the slowdown is
+the replicas contending for the cores, which probes of an otherwise idle server do not see.
 """
 
 from __future__ import annotations
@@ -20,27 +21,22 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from inflight.serve_app.sim.cost_model import StepCostModel, step_features
+from inflight.serve_app.sim.cost_model import StepCostModel
 from inflight.serve_app.sim.trace import synthetic_tokens
+
 
 @dataclass(frozen=True)
 class ServingCosts:
-    """The serving path's costs around the engine: the latency before a request reaches it, how much slower a step
-    runs in the server than the engine alone (``step_factor``: the cores it shares), and the time a step takes
-    longer for each token it streams out."""
+    """The serving path's costs around the engine: the latency before a request reaches it, and the time a step
+    takes longer for each token it streams out."""
 
     request_s: float = 0.0
     message_s: float = 0.0
-    step_factor: float = 1.0
-    prompt_factor: float = 1.0  # a prompt's compute in the server against the engine alone (StepCostModel.split)
 
 
 PROMPT_TOKENS = 32
-LONG_PROMPT_TOKENS = 512
 STREAM_TOKENS = 48
-STREAMS_PER_REPLICA = (1, 4, 8)
+STREAMS_PER_REPLICA = (1, 8)
 SINGLE_REQUESTS = 12
 
 
@@ -59,46 +55,29 @@ def measure_serving(url: str, costs: StepCostModel, vocab_size: int | None = Non
         except (httpx.HTTPError, KeyError, ValueError, TypeError):
             replicas = 1
 
-        def body(index: int, max_tokens: int, stream: bool, prompt_tokens: int = PROMPT_TOKENS) -> dict:
-            return {"model": model, "prompt": synthetic_tokens(f"serving:{index}", prompt_tokens, vocab_size),
+        def body(index: int, max_tokens: int, stream: bool) -> dict:
+            return {"model": model, "prompt": synthetic_tokens(f"serving:{index}", PROMPT_TOKENS, vocab_size),
                     "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": stream}
 
         client.post(f"{base}/v1/completions", json=body(-1, 4, False)).raise_for_status()  # warm-up
-        latency = {}  # prompt length -> the median time of a one-token completion, the fleet otherwise idle
-        for length in (PROMPT_TOKENS, LONG_PROMPT_TOKENS):
-            times = []
-            for i in range(SINGLE_REQUESTS // 2):
-                started = time.perf_counter()
-                client.post(f"{base}/v1/completions", json=body(100 * length + i, 1, False, length)).raise_for_status()
-                times.append(time.perf_counter() - started)
-            latency[length] = statistics.median(times)
-    # latency = request_s + prompt_factor x the prompt's predicted compute + the rest of its step
-    (short_prompt, short_rest), (long_prompt, long_rest) = (
-        costs.split(step_features([n], [0], [True])) for n in (PROMPT_TOKENS, LONG_PROMPT_TOKENS))
-    prompt_factor = max(0.0, (latency[LONG_PROMPT_TOKENS] - latency[PROMPT_TOKENS] - (long_rest - short_rest))
-                        / (long_prompt - short_prompt))
-    request_s = max(0.0, latency[PROMPT_TOKENS] - prompt_factor * short_prompt - short_rest)
-    predicted, gaps = [], []  # per load: the engine's predicted decode step, and the median gap the streams saw
+        latencies = []
+        for i in range(SINGLE_REQUESTS):
+            started = time.perf_counter()
+            client.post(f"{base}/v1/completions", json=body(i, 1, False)).raise_for_status()
+            latencies.append(time.perf_counter() - started)
+    request_s = max(0.0, statistics.median(latencies) - costs.step_seconds([PROMPT_TOKENS], [0], [True]))
+    excess = []  # per load: (streams in a replica's step, the median gap beyond the engine's predicted step)
     for streams in STREAMS_PER_REPLICA:
         bodies = [body(1000 * streams + i, STREAM_TOKENS, True) for i in range(streams * replicas)]
-        gaps.append(statistics.median(_stream_gaps(base, bodies)))
         context = PROMPT_TOKENS + STREAM_TOKENS // 2
-        predicted.append(costs.step_seconds([1] * streams, [context] * streams, [True] * streams, rebuilt=False))
-    step_factor, message_s = fit_step_costs(predicted, list(STREAMS_PER_REPLICA), gaps)
-    return ServingCosts(request_s, message_s, step_factor, prompt_factor)
+        predicted = costs.step_seconds([1] * streams, [context] * streams, [True] * streams, rebuilt=False)
+        excess.append((streams, statistics.median(_stream_gaps(base, bodies)) - predicted))
+    return ServingCosts(request_s, per_message_cost(excess))
 
 
-def fit_step_costs(predicted: list[float], streams: list[int], gaps: list[float]) -> tuple[float, float]:
-    """(step_factor, message_s) with gap = step_factor x predicted + message_s x streams, least squares, neither
-    negative (a term that would be is dropped and the other refitted)."""
-    x = np.array([predicted, streams], dtype=np.float64).T
-    y = np.array(gaps, dtype=np.float64)
-    (factor, per_message), *_ = np.linalg.lstsq(x, y, rcond=None)
-    if per_message < 0:
-        return float(x[:, 0] @ y / (x[:, 0] @ x[:, 0])), 0.0
-    if factor < 0:
-        return 0.0, float(x[:, 1] @ y / (x[:, 1] @ x[:, 1]))
-    return float(factor), float(per_message)
+def per_message_cost(excess: list[tuple[int, float]]) -> float:
+    """The least-squares cost per message of (streams, seconds beyond the predicted step) pairs, not below 0."""
+    return max(0.0, sum(n * e for n, e in excess) / sum(n * n for n, _ in excess))
 
 
 def _stream_gaps(base: str, bodies: list[dict]) -> list[float]:

@@ -11,7 +11,7 @@ import pytest
 from inflight.engine.config import EngineConfig
 from inflight.serve_app.sim.cost_model import TERMS, StepCostModel, fit, step_features
 from inflight.serve_app.sim.fleet import FleetSetup, per_request, simulate
-from inflight.serve_app.sim.serving_costs import ServingCosts, fit_step_costs
+from inflight.serve_app.sim.serving_costs import ServingCosts, per_message_cost
 from inflight.serve_app.sim.report import summarize
 from inflight.serve_app.sim.trace import TraceRequest, at_rate, load_trace, mean_rate, write_trace
 
@@ -147,25 +147,19 @@ def test_one_request_takes_the_cost_models_time_on_the_virtual_clock():
     assert row["output_tokens"] == 5
 
 
-def test_a_server_slowing_every_step_scales_it_and_each_streamed_token_adds_its_cost():
+def test_each_streamed_token_adds_its_cost_to_a_step():
     fleet = setup()
     trace = [TraceRequest(100, 20)]
     plain = simulate(trace, fleet, 1).replicas[0]
-    fleet.serving = ServingCosts(step_factor=1.5, message_s=0.002)
+    fleet.serving = ServingCosts(message_s=0.002)
     served = simulate(trace, fleet, 1).replicas[0]
     assert served.num_steps == plain.num_steps == 20
-    assert served.busy_s == pytest.approx(1.5 * plain.busy_s + 0.002 * 20)
-    fleet.serving = ServingCosts(prompt_factor=2.0)  # the prompt step's prompt terms only
-    prompt = COSTS.split(step_features([100], [0], [True]))[0]
-    assert simulate(trace, fleet, 1).replicas[0].busy_s == pytest.approx(plain.busy_s + prompt)
+    assert served.busy_s == pytest.approx(plain.busy_s + 0.002 * 20)
 
 
-def test_the_serving_fit_recovers_a_slowdown_and_a_per_token_cost():
-    predicted, streams = [0.040, 0.055, 0.070], [1, 4, 8]
-    gaps = [1.3 * p + 0.002 * n for p, n in zip(predicted, streams)]
-    factor, per_message = fit_step_costs(predicted, streams, gaps)
-    assert factor == pytest.approx(1.3) and per_message == pytest.approx(0.002)
-    assert fit_step_costs(predicted, streams, [1.2 * p for p in predicted]) == (pytest.approx(1.2), pytest.approx(0))
+def test_the_cost_per_message_is_the_least_squares_slope_and_never_negative():
+    assert per_message_cost([(1, 0.002), (8, 0.016)]) == pytest.approx(0.002)
+    assert per_message_cost([(1, -0.001), (8, -0.004)]) == 0.0
 
 
 def test_steps_the_persistent_batch_schedules_cost_no_rebuilt_rows():
