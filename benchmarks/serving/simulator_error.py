@@ -3,8 +3,8 @@
 1. The server: ``scripts/serve.sh`` (what ``make run`` runs) on a config of ``--replicas`` replicas of ``--model``,
    each one compute thread, the benchmark's engine arguments (CPU, float32, 500 KV blocks of 16, 64 slots).
 2. A profile: the engine alone in this process (one thread, the server idle; ``--profile`` reuses one), then the
-   serving path's costs measured on the server (``inflight profile --serving-url``'s: per request, per streamed
-   token, and a loaded server's slowdown of every step, calibrated on a burst).
+   serving path's costs measured on the server (``inflight profile --serving-url``'s: per request and per
+   streamed token).
 3. The seed workload at ``--rate-fractions`` of the fleet's capacity (the simulator's all-at-once throughput for
    the fleet), Poisson arrivals: streamed through the server (``benchmarks.serving.serving.run_load``), and
    simulated with ``--replicas`` replicas behind the router's least-loaded choice.
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile = measure(model.engine_model, {**engine_kwargs, "max_model_len": 2048}, progress=lambda b: tqdm(
                 b, desc="profiling", unit="batch", file=sys.stderr))
         print("measuring the server's serving path ...", file=sys.stderr, flush=True)
-        profile.serving = measure_serving(url, profile)
+        profile.serving = measure_serving(url, profile.cost_model, profile.engine["vocab_size"])
         requests = build_workload("seed", args.num_requests, args.seed, model=model)
         setup = fleet_setup(profile, {})
         capacity_run = summarize(simulate(trace_of(requests, [0.0] * len(requests)), setup, args.replicas))

@@ -80,7 +80,7 @@ def profile_main(argv: Sequence[str] | None = None, prog: str = "inflight profil
             if args.serving_url:
                 from inflight.serve_app.sim.serving_costs import measure_serving
 
-                result.serving = measure_serving(args.serving_url, result)
+                result.serving = measure_serving(args.serving_url, result.cost_model, result.engine["vocab_size"])
     except ValueError as e:
         parser.error(str(e))
     result.save(args.out)
@@ -92,9 +92,8 @@ def profile_main(argv: Sequence[str] | None = None, prog: str = "inflight profil
         print(f"  fit: median error {error['median_relative_error']:.1%}, p90 {error['p90_relative_error']:.1%} "
               f"over {error['steps']} steps ({error['dropped_slow_steps']} dropped as slowed by other work)")
     if result.serving != ServingCosts():
-        serving = result.serving
-        print(f"  serving: {serving.request_s * 1e3:.2f} ms a request, {serving.message_s * 1e3:.3f} ms a streamed "
-              f"token, steps under load x{serving.step_factor:.2f}")
+        print(f"  serving: {result.serving.request_s * 1e3:.2f} ms a request, {result.serving.message_s * 1e3:.3f} ms "
+              "a streamed token")
     for note in result.notes:
         print(f"  note: {note}")
     return 0

@@ -5,8 +5,8 @@ each last reported and what the router has in flight on each, as ``serve_app/rou
 router; over ``max_pending_requests`` in flight it is refused, as the router's 429), reaches its replica's engine
 ``request_s`` later (the serving path's fixed cost: HTTP, tokenizing, the hop), and a replica's step ends (its
 tokens are applied, the next batch scheduled at once). A step takes what the profile's cost model says its shape
-costs, in a server times ``step_factor`` and plus ``message_s`` for each token it streams out (``ServingCosts``,
-measured on a server: ``serving_costs.py``). Not modelled: the network between nodes, other work on the machine (the profile's machine is the model), client
+costs, plus ``message_s`` for each token it streams out (``ServingCosts``, measured on a server:
+``serving_costs.py``). Not modelled: the network between nodes, other work on the machine (the profile's machine is the model), client
 timeouts and retries, speculative decoding, requests that generate nothing (the prefill lane).
 """
 

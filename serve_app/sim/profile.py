@@ -83,8 +83,7 @@ class Profile:
             serving = record.get("serving") or {}
             return cls(model=str(record["model"]), engine_args=dict(record.get("engine_args") or {}), engine=engine,
                        cost_model=StepCostModel.from_json(record["cost_model"]),
-                       serving=ServingCosts(float(serving.get("request_s", 0.0)), float(serving.get("message_s", 0.0)),
-                                            float(serving.get("step_factor", 1.0))),
+                       serving=ServingCosts(float(serving.get("request_s", 0.0)), float(serving.get("message_s", 0.0))),
                        machine=dict(record.get("machine") or {}), source=str(record.get("source", "")),
                        notes=list(record.get("notes") or []), created=str(record.get("created", "")))
         except (KeyError, TypeError, ValueError) as e:

@@ -56,8 +56,7 @@ class SimulatedReplica:
         self.scheduler = make_scheduler(config, num_kv_blocks, window)
         self.scheduler.clock = clock
         self.costs = costs
-        serving = serving or ServingCosts()
-        self.step_factor, self.message_s = serving.step_factor, serving.message_s
+        self.message_s = (serving or ServingCosts()).message_s
         self.clock = clock
         self.step: SchedulerOutput | None = None  # the batch on the simulated device, if any
         self.times: dict[str, RequestTimes] = {}
@@ -89,8 +88,8 @@ class SimulatedReplica:
         features = step_features(batch.query_lens, batch.start_positions, batch.sample,
                                  scheduler.scheduled_by_persistent_batch() is None)
         seconds = self.costs.predict(features)
-        if self.step_factor != 1.0 or self.message_s:  # in a server: its costs around the engine's (serving_costs.py)
-            seconds = seconds * self.step_factor + self.message_s * features[6]
+        if self.message_s:  # in a server: what each streamed token adds (serving_costs.py)
+            seconds += self.message_s * features[6]
         self.num_steps += 1
         self.busy_s += seconds
         self.kv_times.append(self.clock.now)

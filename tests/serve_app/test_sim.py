@@ -11,10 +11,7 @@ import pytest
 from inflight.engine.config import EngineConfig
 from inflight.serve_app.sim.cost_model import TERMS, StepCostModel, fit, step_features
 from inflight.serve_app.sim.fleet import FleetSetup, per_request, simulate
-from inflight.serve_app.sim.cli import fleet_setup
-from inflight.serve_app.sim.profile import Profile
-from inflight.serve_app.sim.serving_costs import (BURST_TOKENS, ServingCosts, burst_trace, calibrate_step_factor,
-                                                  per_message_cost)
+from inflight.serve_app.sim.serving_costs import ServingCosts, per_message_cost
 from inflight.serve_app.sim.report import summarize
 from inflight.serve_app.sim.trace import TraceRequest, at_rate, load_trace, mean_rate, write_trace
 
@@ -150,34 +147,19 @@ def test_one_request_takes_the_cost_models_time_on_the_virtual_clock():
     assert row["output_tokens"] == 5
 
 
-def test_a_loaded_server_scales_each_step_and_each_streamed_token_adds_its_cost():
+def test_each_streamed_token_adds_its_cost_to_a_step():
     fleet = setup()
     trace = [TraceRequest(100, 20)]
     plain = simulate(trace, fleet, 1).replicas[0]
-    fleet.serving = ServingCosts(message_s=0.002, step_factor=1.5)
+    fleet.serving = ServingCosts(message_s=0.002)
     served = simulate(trace, fleet, 1).replicas[0]
     assert served.num_steps == plain.num_steps == 20
-    assert served.busy_s == pytest.approx(1.5 * plain.busy_s + 0.002 * 20)
+    assert served.busy_s == pytest.approx(plain.busy_s + 0.002 * 20)
 
 
 def test_the_cost_per_message_is_the_least_squares_slope_and_never_negative():
     assert per_message_cost([(1, 0.002), (8, 0.016)]) == pytest.approx(0.002)
     assert per_message_cost([(1, -0.001), (8, -0.004)]) == 0.0
-
-
-def test_the_step_factor_calibrated_on_a_burst_makes_the_simulated_burst_take_the_measured_time():
-    profile = Profile(model="demo-tiny", engine_args={"device": "cpu"}, cost_model=COSTS,
-                      engine={"num_kv_blocks": 200, "block_size": 16, "max_model_len": 1024, "kv_bytes_per_block": 1,
-                              "kv_window": None, "vocab_size": 263})
-    burst = burst_trace(16)
-    assert [r.prompt_tokens for r in burst][::15] == [64, 512] and all(r.max_tokens == BURST_TOKENS for r in burst)
-    alone = simulate(burst, fleet_setup(profile, {}), 2)
-    measured = 1.7 * (alone.end - alone.start)
-    factor = calibrate_step_factor(profile, burst, 2, measured, request_s=0.0, message_s=0.0)
-    assert factor == pytest.approx(1.7, rel=0.02)
-    profile.serving = ServingCosts(step_factor=factor)
-    served = simulate(burst, fleet_setup(profile, {}), 2)
-    assert served.end - served.start == pytest.approx(measured, rel=0.02)
 
 
 def test_steps_the_persistent_batch_schedules_cost_no_rebuilt_rows():
