@@ -31,7 +31,7 @@ from inflight.serve_app.sim.trace import TraceRequest, write_trace
 TARGET_S = 60.0  # 10,000 requests on 8 replicas
 # near SmolLM2-135M's float32 steps on this CPU, one thread: only the simulator's speed is measured
 MADE_UP = StepCostModel({"step_s": 0.012, "prefill_token_s": 2.5e-4, "prefill_row_s": 5e-4, "prefill_pair_s": 1e-8,
-                         "decode_row_s": 1e-3, "decode_context_s": 2e-7, "sampled_row_s": 1e-4})
+                         "decode_row_s": 1e-3, "decode_context_s": 2e-7, "sampled_row_s": 1e-4, "rebuilt_row_s": 5e-5})
 
 
 def seed_lengths(num: int, seed: int) -> list[tuple[int, int]]:

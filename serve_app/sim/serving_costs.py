@@ -7,10 +7,12 @@
   step, per stream in the step, is what each message adds to a step (``message_s``: the replica's work per
   message, on the cores the engine uses).
 
-Tried and left out (2026-12-07, docs/benchmarks.md "Issue 44"): a factor on every step and one on prompt work,
-fitted from the same probes. On this 2-core machine both came out near 1 (or below: the fit traded them against
-``message_s``), though under load a served prompt step runs ~20% slower than the engine's alone: the slowdown is
-the replicas contending for the cores, which probes of an otherwise idle server do not see.
+Tried and left out (2026-12-07, docs/benchmarks.md "Issue 44"): a factor on every step and one on prompt work
+fitted from these probes (they came out near 1, or traded against ``message_s``), and a step factor calibrated
+by simulating a timed burst through the server (0.88: the burst ran faster than simulated). On this 2-core
+machine a served fleet under the seed mix's Poisson load nevertheless runs slower than these costs predict: its
+tok/s matches within 5%, its mean TTFT comes 14-34% early. The cause is not found; none of the factors captured
+it, so none is kept.
 """
 
 from __future__ import annotations
