@@ -288,6 +288,7 @@ def from_gpu_check(path: str | Path, flag: str = "--from-gpu-check") -> Profile:
     facts = {"num_kv_blocks": int(min(v.get("kv_blocks", 0) for k, v in results.items()
                                       if isinstance(v, dict) and k.startswith("decode_b") and v.get("kv_blocks"))),
              "block_size": int(first.get("block_size", 16)), "max_model_len": 8192,
+             # the check's Llama-3-8B shape: K and V of 8 KV heads of 128 per layer, bf16
              "kv_bytes_per_block": int(first.get("block_size", 16)) * results.get("num_layers", 32) * 2 * 8 * 128 * 2,
              "kv_window": None, "device": "cuda", "dtype": "bfloat16", "attention_backend": first.get("backend", "?"),
              "async_scheduling": bool(first.get("async_scheduling", True)), "num_threads": None,
