@@ -15,32 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from inflight.serve_app.sim.report import format_cell, format_table  # the one table layout (inflight simulate's too)
 
 # -- tables ----------------------------------------------------------------------------------------------
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], num_left: int = 1) -> str:
-    """A plain fixed-width table: the first ``num_left`` columns left-aligned, the rest right-aligned."""
-    cells = [[format_cell(v) for v in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-
-    def line(values):
-        return "  ".join(v.ljust(w) if i < num_left else v.rjust(w)
-                         for i, (v, w) in enumerate(zip(values, widths))).rstrip()
-
-    return "\n".join([line([str(h) for h in headers]), line(["-" * w for w in widths]), *map(line, cells)])
-
-
-def format_cell(value: Any) -> str:
-    if isinstance(value, (float, np.floating)):
-        if value != value:
-            return "n/a"
-        if abs(value) >= 10_000:
-            return f"{value:,.0f}"
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
-    if value is None:
-        return ""
-    return str(value)
-
-
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], num_left: int = 1) -> None:
     """Print a titled table on stdout."""
     try:

@@ -7,6 +7,8 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any, Sequence
 
+import numpy as np
+
 from inflight.serve_app.sim.fleet import FleetResult, per_request, percentile
 
 LATENCIES = ("ttft", "tpot", "e2e")
@@ -78,19 +80,28 @@ def kv_utilisation(result: FleetResult, points: int = 200) -> dict[str, Any]:
             "per_replica_mean": means, "curves": curves}
 
 
-def format_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], num_left: int = 1) -> str:
+    """A plain fixed-width table: the first ``num_left`` columns left-aligned, the rest right-aligned (the
+    benchmarks' tables too: benchmarks/common/report.py)."""
+    cells = [[format_cell(v) for v in row] for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+
+    def line(values):
+        return "  ".join(v.ljust(w) if i < num_left else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(values, widths))).rstrip()
+
+    return "\n".join([line([str(h) for h in headers]), line(["-" * w for w in widths]), *map(line, cells)])
 
 
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+def format_cell(value: Any) -> str:
+    if isinstance(value, (float, np.floating)):
+        if value != value:
+            return "n/a"
+        if abs(value) >= 10_000:
+            return f"{value:,.0f}"
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    if value is None:
+        return ""
     return str(value)
 
 
@@ -101,7 +112,7 @@ def summary_table(summaries: Sequence[tuple[str, dict[str, Any]]]) -> str:
     rows = [[label, s["replicas"], s["num_finished"], s["num_refused"], s["output_tok_per_s"], s["mean_ttft_s"],
              s["p99_ttft_s"], s["p99_tpot_s"], s["mean_e2e_s"], s["p90_e2e_s"], s["p99_e2e_s"],
              f"{s['kv']['mean_fraction']:.0%}", s["preemptions"]] for label, s in summaries]
-    return format_table(rows, header)
+    return format_table(header, rows)
 
 
 def _pyplot():
