@@ -9,6 +9,7 @@ at t=0 this is plain offline throughput.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -105,10 +106,11 @@ def engine_limits(engine) -> EngineLimits:
 
 
 def run_engine(engine, requests: Sequence[BenchRequest], arrivals_s: Sequence[float] | None = None,
-               desc: str = "", keep_records: bool = False) -> EngineRun:
+               desc: str = "", keep_records: bool = False, wall_clock: bool = False) -> EngineRun:
     """Feed ``requests`` to ``engine`` at ``arrivals_s`` (default: all at 0, which must be sorted) on the
-    step clock; step until every request is done. Each must get exactly its ``max_tokens`` (at most, if it
-    stops at end of sequence: ``ignore_eos`` False)."""
+    step clock (``wall_clock``: on the wall clock, sleeping while idle, every step's whole time counted: front
+    end and the loop's own work too); step until every request is done. Each must get exactly its ``max_tokens``
+    (at most, if it stops at end of sequence: ``ignore_eos`` False)."""
     arrivals = list(arrivals_s) if arrivals_s is not None else [0.0] * len(requests)
     if any(b < a for a, b in zip(arrivals, arrivals[1:])):
         raise ValueError("arrivals_s must be sorted")
@@ -119,6 +121,7 @@ def run_engine(engine, requests: Sequence[BenchRequest], arrivals_s: Sequence[fl
     finished: list[float | None] = [None] * len(requests)
     tokens: list[int] = [0] * len(requests)
     clock, next_up = arrivals[0] if arrivals else 0.0, 0
+    wall_start = time.perf_counter() - clock
     try:
         with tqdm(total=len(requests), desc=desc or engine.config.batching, unit="req", file=sys.stderr,
                   leave=False) as bar:
@@ -128,10 +131,14 @@ def run_engine(engine, requests: Sequence[BenchRequest], arrivals_s: Sequence[fl
                     engine.add_request(str(next_up), request.prompt_token_ids, request_params(request))
                     next_up += 1
                 if not engine.has_unfinished_requests():
-                    clock = arrivals[next_up]  # idle: jump to the next arrival
+                    if wall_clock:
+                        time.sleep(max(0.0, arrivals[next_up] - (time.perf_counter() - wall_start)))
+                        clock = time.perf_counter() - wall_start
+                    else:
+                        clock = arrivals[next_up]  # idle: jump to the next arrival
                     continue
                 outputs = engine.step()
-                clock += records[-1].duration_s
+                clock = time.perf_counter() - wall_start if wall_clock else clock + records[-1].duration_s
                 for output in outputs:
                     i = int(output.request_id)
                     # (a request that generates nothing has its "first token" when it is done)

@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any, Sequence
 
 from tqdm import tqdm
 
 from benchmarks.common.arrivals import arrival_times
 from benchmarks.common.engine import build_engine, engine_args
+from benchmarks.common.engine_run import run_engine
 from benchmarks.common.flags import positive_float, positive_int
 from benchmarks.common.models import add_model_arg, model_from_args
 from benchmarks.common.report import describe_machine, load_average, write_json
 from benchmarks.common.sim_error import OFFLINE_BOUNDS, errors, mean_of, print_comparison, trace_of, within
-from benchmarks.common.workloads import build_workload, request_params
+from benchmarks.common.workloads import build_workload
 from inflight.serve_app.sim.cli import fleet_setup
 from inflight.serve_app.sim.fleet import per_request, simulate
 from inflight.serve_app.sim.profile import Profile, measure
@@ -41,37 +41,11 @@ from inflight.serve_app.sim.report import latency_summary, summarize
 
 def measured_run(engine, requests, arrivals_s: Sequence[float], desc: str) -> dict[str, Any]:
     """``requests`` through ``engine`` at their arrival times on the wall clock; the latency summary."""
-    first: list[float | None] = [None] * len(requests)
-    finished: list[float | None] = [None] * len(requests)
-    tokens = [0] * len(requests)
-    next_up = 0
-    start = time.perf_counter()
-    with tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, leave=False) as bar:
-        while next_up < len(requests) or engine.has_unfinished_requests():
-            now = time.perf_counter() - start
-            while next_up < len(requests) and arrivals_s[next_up] <= now:
-                request = requests[next_up]
-                engine.add_request(str(next_up), request.prompt_token_ids, request_params(request))
-                next_up += 1
-            if not engine.has_unfinished_requests():
-                time.sleep(max(0.0, arrivals_s[next_up] - (time.perf_counter() - start)))
-                continue
-            outputs = engine.step()
-            now = time.perf_counter() - start
-            for output in outputs:
-                i = int(output.request_id)
-                if first[i] is None and output.outputs[0].token_ids:
-                    first[i] = now
-                if output.finished:
-                    finished[i] = now
-                    tokens[i] = len(output.outputs[0].token_ids)
-                    bar.update(1)
-    rows = []
-    for i, arrival in enumerate(arrivals_s):
-        ttft, e2e = first[i] - arrival, finished[i] - arrival
-        rows.append({"ttft_s": ttft, "e2e_s": e2e, "output_tokens": tokens[i],
-                     "tpot_s": (e2e - ttft) / (tokens[i] - 1) if tokens[i] > 1 else None})
-    return latency_summary(rows, max(finished) - min(arrivals_s))
+    run = run_engine(engine, requests, arrivals_s, desc, wall_clock=True)
+    rows = [{"ttft_s": ttft, "e2e_s": e2e, "output_tokens": tokens,
+             "tpot_s": (e2e - ttft) / (tokens - 1) if tokens > 1 else None}
+            for ttft, e2e, tokens in zip(run.ttfts_s, run.latencies_s, run.output_lens)]
+    return latency_summary(rows, run.span_s)
 
 
 def simulated_run(profile: Profile, requests, arrivals_s: Sequence[float]) -> dict[str, Any]:
