@@ -41,7 +41,7 @@ class VirtualClock:
 class RequestTimes:
     """One request's life on the virtual clock (absolute, as ``VirtualClock``)."""
 
-    replica: int = -1
+    replica: int = -1  # the router's choice (fleet.py)
     first_token: float | None = None
     finished: float | None = None
     num_output_tokens: int = 0
@@ -71,7 +71,6 @@ class SimulatedReplica:
         return self.step is not None
 
     def add(self, request: Request, times: RequestTimes) -> None:
-        times.replica = self.index
         self.times[request.request_id] = times
         self.scheduler.add(request)
 
