@@ -96,9 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile = measure(model.engine_model, {**engine_kwargs, "max_model_len": 2048}, progress=lambda b: tqdm(
                 b, desc="profiling", unit="batch", file=sys.stderr))
         print("measuring the server's serving path ...", file=sys.stderr, flush=True)
-        profile.serving = measure_serving(url, profile.cost_model, profile.engine["vocab_size"])
+        profile.serving = measure_serving(url, profile)
         requests = build_workload("seed", args.num_requests, args.seed, model=model)
-        setup = fleet_setup(profile, {})
+        setup = fleet_setup(profile, {}, replicas_per_machine=args.replicas)  # all on this machine
         capacity_run = summarize(simulate(trace_of(requests, [0.0] * len(requests)), setup, args.replicas))
         capacity = capacity_run["request_per_s"]
         load = [LoadRequest(r.prompt_token_ids, r.max_tokens) for r in requests]

@@ -27,7 +27,7 @@ from inflight.serve_app import cli_args
 from inflight.serve_app.sim.fleet import ROUTERS, FleetSetup, per_request, simulate
 from inflight.serve_app.sim.profile import Profile
 from inflight.serve_app.sim.report import SLO_METRICS, plot_run, plot_sweep, slo_value, summarize, summary_table
-from inflight.serve_app.sim.serving_costs import ServingCosts
+from inflight.serve_app.sim.serving_costs import ServingCosts, machine_share
 from inflight.serve_app.sim.trace import TraceRequest, at_rate, load_trace, mean_rate
 
 ENGINE_FIELDS = [field for field in cli_args.dataclass_fields(EngineConfig) if field.name != "model"]
@@ -80,7 +80,7 @@ def profile_main(argv: Sequence[str] | None = None, prog: str = "inflight profil
             if args.serving_url:
                 from inflight.serve_app.sim.serving_costs import measure_serving
 
-                result.serving = measure_serving(args.serving_url, result.cost_model, result.engine["vocab_size"])
+                result.serving = measure_serving(args.serving_url, result)
     except ValueError as e:
         parser.error(str(e))
     result.save(args.out)
@@ -93,7 +93,7 @@ def profile_main(argv: Sequence[str] | None = None, prog: str = "inflight profil
               f"over {error['steps']} steps ({error['dropped_slow_steps']} dropped as slowed by other work)")
     if result.serving != ServingCosts():
         print(f"  serving: {result.serving.request_s * 1e3:.2f} ms a request, {result.serving.message_s * 1e3:.3f} ms "
-              "a streamed token")
+              f"a streamed token, {result.serving.serving_cores:.2f} of the machine's cores")
     for note in result.notes:
         print(f"  note: {note}")
     return 0
@@ -107,6 +107,9 @@ def simulate_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--trace", type=Path, required=True, help="JSONL: arrival_s, prompt_tokens, max_tokens, "
                                                                  "optional prefix_id, prefix_tokens, priority, tenant")
     parser.add_argument("--replicas", type=_positive_int, default=1, help="replicas (default 1)")
+    parser.add_argument("--replicas-per-machine", type=_positive_int, default=1,
+                        help="CPU replicas that share one machine like the profile's: their engines' threads and "
+                             "the serving processes' cores are shared out (default 1)")
     parser.add_argument("--router", choices=sorted(ROUTERS), default="least_loaded",
                         help="the router's replica choice (prefix: prefix affinity)")
     parser.add_argument("--routing-stats-period-s", type=float, default=0.5,
@@ -133,9 +136,10 @@ def _positive_int(text: str) -> int:
 
 
 def fleet_setup(profile: Profile, overrides: dict[str, Any], routing_stats_period_s: float = 0.5,
-                max_pending_requests: int | None = None) -> FleetSetup:
-    """The engine a simulation runs: the profile's engine arguments with ``overrides`` (engine flags); ``ValueError``
-    naming the flag for one that would change what a step costs, or one the simulator does not model."""
+                max_pending_requests: int | None = None, replicas_per_machine: int = 1) -> FleetSetup:
+    """The engine a simulation runs: the profile's engine arguments with ``overrides`` (engine flags), on machines
+    like the profile's (``replicas_per_machine`` to each); ``ValueError`` naming the flag for one that would change
+    what a step costs, or one the simulator does not model."""
     for name in NOT_SIMULATED:
         if name in overrides:
             raise ValueError(f"--{name.replace('_', '-')}: not simulated (the simulator has no model outputs)")
@@ -147,6 +151,11 @@ def fleet_setup(profile: Profile, overrides: dict[str, Any], routing_stats_perio
         if overrides[name] != had and overrides[name] != profile.engine_args.get(name):
             raise ValueError(f"--{name.replace('_', '-')} {overrides[name]}: the profile was measured with {had!r}, "
                              "and it changes what a step costs; profile again with it")
+    share = machine_share(profile)
+    if replicas_per_machine > 1 and share is None:
+        raise ValueError(f"--replicas-per-machine {replicas_per_machine}: " + (
+            f"the profile's engine runs on {profile.engine['device']}, a device each replica has to itself"
+            if profile.engine["device"] != "cpu" else "the profile does not say how many cores its machine has"))
     if not routing_stats_period_s > 0:
         raise ValueError(f"--routing-stats-period-s must be > 0, got {routing_stats_period_s}")
     args = {**profile.engine_args, **overrides}
@@ -169,7 +178,8 @@ def fleet_setup(profile: Profile, overrides: dict[str, Any], routing_stats_perio
         max_model_len = capacity
     window = tuple(facts["kv_window"]) if facts.get("kv_window") else None
     return FleetSetup(config, num_kv_blocks, max_model_len, profile.cost_model, profile.serving, window,
-                      routing_stats_period_s, max_pending_requests, facts["vocab_size"])
+                      routing_stats_period_s, max_pending_requests, facts["vocab_size"], share,
+                      replicas_per_machine)
 
 
 def parse_slo(text: str) -> dict[str, float]:
@@ -249,7 +259,7 @@ def simulate_main(argv: Sequence[str] | None = None, prog: str = "inflight simul
         profile = Profile.load(args.profile)
         trace = load_trace(args.trace)
         setup = fleet_setup(profile, cli_args.given(args, ENGINE_FIELDS), args.routing_stats_period_s,
-                            args.max_pending_requests)
+                            args.max_pending_requests, args.replicas_per_machine)
         slo = parse_slo(args.slo) if args.slo else None
         if args.find_replicas and not slo:
             raise ValueError("--find-replicas needs --slo, e.g. --slo ttft_p99=0.5,tpot_p99=0.05")
@@ -280,7 +290,8 @@ def simulate_main(argv: Sequence[str] | None = None, prog: str = "inflight simul
         points: dict[str, list[tuple[float, dict[str, Any]]]] = {"continuous": [], "static": []}
         for mode in points:
             mode_setup = fleet_setup(profile, {**cli_args.given(args, ENGINE_FIELDS), "batching": mode},
-                                     args.routing_stats_period_s, args.max_pending_requests)
+                                     args.routing_stats_period_s, args.max_pending_requests,
+                                     args.replicas_per_machine)
             for rate in rates:
                 summary, _ = run(at_rate(trace, rate / base), mode_setup, args.replicas, args.router, args.quiet,
                                  desc=f"{mode} at {rate:g} req/s")
@@ -332,7 +343,9 @@ def _engine_summary(setup: FleetSetup) -> dict[str, Any]:
     return {"batching": config.batching, "num_kv_blocks": setup.num_kv_blocks, "block_size": config.block_size,
             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_model_len": setup.max_model_len, "scheduling_policy": config.scheduling_policy,
-            "enable_prefix_caching": config.enable_prefix_caching, "serving": vars(setup.serving)}
+            "enable_prefix_caching": config.enable_prefix_caching, "serving": vars(setup.serving),
+            "replicas_per_machine": setup.replicas_per_machine,
+            "machine": vars(setup.machine) if setup.machine is not None else None}
 
 
 def _finite(value: Any) -> Any:

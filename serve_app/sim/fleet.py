@@ -6,8 +6,10 @@ router; over ``max_pending_requests`` in flight it is refused, as the router's 4
 ``request_s`` later (the serving path's fixed cost: HTTP, tokenizing, the hop), and a replica's step ends (its
 tokens are applied, the next batch scheduled at once). A step takes what the profile's cost model says its shape
 costs, plus ``message_s`` for each token it streams out (``ServingCosts``, measured on a server:
-``serving_costs.py``). Not modelled: the network between nodes, other work on the machine (the profile's machine is the model), client
-timeouts and retries, speculative decoding, requests that generate nothing (the prefill lane).
+``serving_costs.py``), stretched while the engines and serving processes of its machine want more cores than it has
+(``machine.py``: ``replicas_per_machine`` replicas share one). Not modelled: the network between nodes, work on the
+machine other than the server's, client timeouts and retries, speculative decoding, requests that generate nothing
+(the prefill lane).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from inflight.engine.sampling_params import SamplingParams
 from inflight.serve_app.messages import GenerateRequest
 from inflight.serve_app.routing import RoutingPolicy
 from inflight.serve_app.sim.cost_model import StepCostModel
+from inflight.serve_app.sim.machine import MachineShare, SharedMachine
 from inflight.serve_app.sim.replica import RequestTimes, SimulatedReplica, VirtualClock
 from inflight.serve_app.sim.serving_costs import ServingCosts
 from inflight.serve_app.sim.trace import TraceRequest
@@ -47,6 +50,8 @@ class FleetSetup:
     routing_stats_period_s: float = 0.5
     max_pending_requests: int | None = None
     vocab_size: int | None = None  # the prompts' synthetic token ids stay below it
+    machine: MachineShare | None = None  # what a machine's replicas share (None: nothing, a step takes its cost)
+    replicas_per_machine: int = 1
 
 
 @dataclass
@@ -75,6 +80,8 @@ def simulate(trace: Sequence[TraceRequest], setup: FleetSetup, num_replicas: int
     requests that ended since its last call."""
     if num_replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {num_replicas}")
+    if setup.replicas_per_machine < 1:
+        raise ValueError(f"replicas_per_machine must be >= 1, got {setup.replicas_per_machine}")
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {router!r}")
     if any(b.arrival_s < a.arrival_s for a, b in zip(trace, trace[1:])):
@@ -100,16 +107,31 @@ def simulate(trace: Sequence[TraceRequest], setup: FleetSetup, num_replicas: int
     engine_requests: dict[int, Request] = {}
     replica_ids = [r.replica_id for r in replicas]
     replica_index = {replica_id: i for i, replica_id in enumerate(replica_ids)}
+    per_machine = setup.replicas_per_machine
+    machines = ([SharedMachine(setup.machine) for _ in range(0, num_replicas, per_machine)]
+                if setup.machine is not None else None)
+    step_event = [-1] * num_replicas  # the sequence number of each replica's current step-end event
 
-    def start_step(replica: SimulatedReplica) -> None:
+    def schedule_ends(ends: dict[int, float]) -> None:
         nonlocal sequence
-        seconds = replica.start_step()
-        if seconds is not None:
-            heapq.heappush(events, (clock.now + seconds, _STEP_DONE, sequence, replica.index))
+        for i, end in ends.items():  # an end that moved supersedes the one queued before (skipped when popped)
+            step_event[i] = sequence
+            heapq.heappush(events, (end, _STEP_DONE, sequence, i))
             sequence += 1
 
+    def start_step(replica: SimulatedReplica) -> None:
+        seconds = replica.start_step()
+        if seconds is None:
+            return
+        if machines is None:
+            schedule_ends({replica.index: clock.now + seconds})
+        else:
+            schedule_ends(machines[replica.index // per_machine].start(replica.index, seconds, clock.now))
+
     while events:
-        now, kind, _, index = heapq.heappop(events)
+        now, kind, event, index = heapq.heappop(events)
+        if kind == _STEP_DONE and event != step_event[index]:
+            continue  # its step's end moved
         clock.now = now
         if kind == _ARRIVE:
             request = requests[index]
@@ -147,6 +169,8 @@ def simulate(trace: Sequence[TraceRequest], setup: FleetSetup, num_replicas: int
                 start_step(replicas[index])
         else:
             replica = replicas[index]
+            if machines is not None:
+                schedule_ends(machines[index // per_machine].end(index, now))
             for request_id in replica.finish_step():
                 in_flight[index] -= 1
                 _done(progress)

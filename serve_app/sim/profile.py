@@ -7,7 +7,8 @@ Three sources:
     fitted. ``LLMEngine.step`` is timed whole (scheduling, forward, sampling, the front end's text), so the host's
     work is in the figures as the engine's loop pays it.
   * ``measure_serving``: a running server (``inflight serve``, ``make run``) is asked single requests to find the
-    serving path's fixed cost per request (HTTP, tokenizing, the router's hop) and its cost per streamed token.
+    serving path's fixed cost per request (HTTP, tokenizing, the router's hop), its cost per streamed token, and
+    the cores its processes take from the engines (``serving_costs.py``).
   * ``from_gpu_check``: a ``benchmarks/micro/gpu_check.sh`` result (no GPU needed to read one): its decode steps at
     1, 64 and 256 rows and its prompt-heavy run.
 """
@@ -83,7 +84,8 @@ class Profile:
             serving = record.get("serving") or {}
             return cls(model=str(record["model"]), engine_args=dict(record.get("engine_args") or {}), engine=engine,
                        cost_model=StepCostModel.from_json(record["cost_model"]),
-                       serving=ServingCosts(float(serving.get("request_s", 0.0)), float(serving.get("message_s", 0.0))),
+                       serving=ServingCosts(float(serving.get("request_s", 0.0)), float(serving.get("message_s", 0.0)),
+                                            float(serving.get("serving_cores", 0.0))),
                        machine=dict(record.get("machine") or {}), source=str(record.get("source", "")),
                        notes=list(record.get("notes") or []), created=str(record.get("created", "")))
         except (KeyError, TypeError, ValueError) as e:

@@ -62,6 +62,7 @@ class SimulatedReplica:
         self.times: dict[str, RequestTimes] = {}
         self.num_steps = 0
         self.busy_s = 0.0
+        self._step_started = 0.0
         # KV use after each step was scheduled: (time, blocks in use), for the utilisation curve
         self.kv_times, self.kv_used = array("d"), array("l")
         self._stats: ReplicaStats | None = None
@@ -75,8 +76,8 @@ class SimulatedReplica:
         self.scheduler.add(request)
 
     def start_step(self) -> float | None:
-        """Schedule the next batch and put it on the device; returns its duration, or None when there is nothing
-        to run."""
+        """Schedule the next batch and put it on the device; returns its duration alone on the machine (the fleet
+        stretches it while the machine is shared: machine.py), or None when there is nothing to run."""
         scheduler = self.scheduler
         if not scheduler.has_unfinished():
             return None
@@ -90,7 +91,7 @@ class SimulatedReplica:
         if self.message_s:  # in a server: what each streamed token adds (serving_costs.py)
             seconds += self.message_s * features[6]
         self.num_steps += 1
-        self.busy_s += seconds
+        self._step_started = self.clock.now
         self.kv_times.append(self.clock.now)
         self.kv_used.append(scheduler.kv.pool.num_used)
         return seconds
@@ -100,6 +101,7 @@ class SimulatedReplica:
         requests that finished."""
         batch, self.step = self.step, None
         now = self.clock.now
+        self.busy_s += now - self._step_started
         sampled = [SAMPLED_TOKEN_ID if s else None for s in batch.sample]
         finished = []
         times = self.times

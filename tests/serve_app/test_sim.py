@@ -11,7 +11,8 @@ import pytest
 from inflight.engine.config import EngineConfig
 from inflight.serve_app.sim.cost_model import TERMS, StepCostModel, fit, step_features
 from inflight.serve_app.sim.fleet import FleetSetup, per_request, simulate
-from inflight.serve_app.sim.serving_costs import ServingCosts, per_message_cost
+from inflight.serve_app.sim.machine import MachineShare, SharedMachine
+from inflight.serve_app.sim.serving_costs import ServingCosts, per_message_cost, serving_cores_from
 from inflight.serve_app.sim.report import summarize
 from inflight.serve_app.sim.trace import TraceRequest, at_rate, load_trace, mean_rate, write_trace
 
@@ -155,6 +156,38 @@ def test_each_streamed_token_adds_its_cost_to_a_step():
     served = simulate(trace, fleet, 1).replicas[0]
     assert served.num_steps == plain.num_steps == 20
     assert served.busy_s == pytest.approx(plain.busy_s + 0.002 * 20)
+
+
+def test_steps_on_a_shared_machine_slow_down_while_the_engines_want_more_cores_than_it_has():
+    machine = SharedMachine(MachineShare(cores=2, engine_threads=1, serving_cores=0.5))
+    assert machine.start(0, 1.0, now=0.0) == {0: 1.0}  # 1.5 cores wanted of 2: full speed
+    # a second engine: 2.5 cores wanted, each step at 2 / 2.5 of its speed; the first has 0.5 s of work left
+    assert machine.start(1, 0.2, now=0.5) == pytest.approx({0: 0.5 + 0.5 * 1.25, 1: 0.5 + 0.2 * 1.25})
+    # the second ends at 0.75: the first did 0.25 / 1.25 = 0.2 s of work meanwhile, its last 0.3 s at full speed
+    assert machine.end(1, now=0.75) == pytest.approx({0: 0.75 + 0.3})
+    assert machine.end(0, now=1.05) == {}
+
+
+@pytest.mark.parametrize("replicas_per_machine, stretch", [(1, 1.0), (2, 1.25)])
+def test_replicas_sharing_a_machine_take_longer_over_the_same_steps(replicas_per_machine, stretch):
+    fleet = setup()
+    fleet.machine, fleet.replicas_per_machine = MachineShare(2, 1, 0.5), replicas_per_machine
+    result = simulate([TraceRequest(100, 1), TraceRequest(100, 1)], fleet, 2)
+    ttfts = [row["ttft_s"] for row in per_request(result)]
+    assert sorted(r.times.replica for r in result.requests) == [0, 1]  # one each, computed at once
+    assert ttfts == pytest.approx([fleet.costs.step_seconds([100], [0], [True]) * stretch] * 2, abs=1e-8)
+    assert [r.busy_s for r in result.replicas] == pytest.approx(ttfts)
+
+
+def test_the_serving_processes_cores_come_from_how_much_a_step_slows_with_every_engine_busy():
+    one_thread = MachineShare(cores=2, engine_threads=1)
+    assert serving_cores_from(2.3 / 2, 2, one_thread) == pytest.approx(0.3)
+    assert serving_cores_from(0.98, 2, one_thread) == 0.0  # no slowdown: nothing to take
+    assert serving_cores_from(1.2, 1, one_thread) == 0.0  # one thread of two cores: a slowdown cannot show
+    # engines of two threads on two cores: alone one is already slowed by the serving processes (2.4 / 2)
+    filling = MachineShare(cores=2, engine_threads=2, serving_cores=0.4)
+    ratio = filling.stretch(2) / filling.stretch(1)
+    assert serving_cores_from(ratio, 2, MachineShare(2, 2)) == pytest.approx(0.4)
 
 
 def test_the_cost_per_message_is_the_least_squares_slope_and_never_negative():

@@ -123,6 +123,7 @@ def test_sweep_draws_both_batching_modes_and_finds_the_crossover(tmp_path, capsy
     (["--slo", "ttft_p99=1"], "--slo is for --find-replicas"),
     (["--sweep", "speed=3"], "--sweep: expected rate=R1,R2"),
     (["--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
+    (["--replicas-per-machine", "2"], "--replicas-per-machine 2: the profile does not say how many cores"),
 ])
 def test_bad_simulate_flags_are_usage_errors_that_name_the_flag(tmp_path, capsys, flags, said):
     with pytest.raises(SystemExit) as exit_:
