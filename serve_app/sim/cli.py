@@ -88,6 +88,8 @@ def profile_main(argv: Sequence[str] | None = None, prog: str = "inflight profil
     print(f"wrote {args.out}: {result.describe()}")
     for term, value in result.cost_model.coefficients.items():
         print(f"  {term:18s} {value:.3e}")
+    print("  decode_rows_s      " + ", ".join(f"{rows}: {value:.3e}"
+                                              for rows, value in result.cost_model.decode_rows_s.items()))
     if error:
         print(f"  fit: median error {error['median_relative_error']:.1%}, p90 {error['p90_relative_error']:.1%} "
               f"over {error['steps']} steps ({error['dropped_slow_steps']} dropped as slowed by other work)")

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from inflight.serve_app.sim.cost_model import StepCostModel, fit, step_features
+from inflight.serve_app.sim.cost_model import StepCostModel, decode_curve, fit, step_features
 from inflight.serve_app.sim.serving_costs import ServingCosts
 from inflight.serve_app.sim.trace import synthetic_tokens
 
@@ -137,6 +137,15 @@ class Batch:
         return cls((prompt_len,) * num_requests, (max_tokens,) * num_requests)
 
 
+def decode_sizes(max_num_seqs: int, quick: bool = False) -> list[int]:
+    """The decode batch sizes a profile measures (1, 2, 4, ... and ``max_num_seqs``): the decode curve's knots."""
+    sizes, size = [], 1
+    while size < max_num_seqs:
+        sizes.append(size)
+        size *= 4 if quick else 2
+    return sizes + [max_num_seqs]
+
+
 def plan(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_tokens: int,
          quick: bool = False) -> list[Batch]:
     """The batches a profile runs, none needing more KV than there is (nothing is preempted while measured):
@@ -145,11 +154,7 @@ def plan(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, kv_
     decodes that end one a step (each step's batch formed anew, as under traffic); 1, 4 and 16 prompts of 32
     tokens to a few chunks (the prompt terms); and a burst of prompts of mixed lengths, whose chunks share steps
     with decodes as traffic's do."""
-    sizes, size = [], 1
-    while size < max_num_seqs:
-        sizes.append(size)
-        size *= 4 if quick else 2
-    sizes.append(max_num_seqs)
+    sizes = decode_sizes(max_num_seqs, quick)
     decode_tokens = 6 if quick else 16
     long_context = max(64, min(1024, max_model_len // 2))
     batches = [Batch.alike(16, n, decode_tokens) for n in sizes]
@@ -188,7 +193,7 @@ def measure(model: str, engine_args: dict[str, Any], quick: bool = False,
             for shape, duration in _run(engine, batch, prompts):
                 features.append(shape)
                 seconds.append(duration)
-        costs = fit(features, seconds)
+        costs = fit(features, seconds, decode_sizes(config.max_num_seqs, quick))
         facts = {"num_kv_blocks": runner.num_kv_blocks, "block_size": config.block_size,
                  "max_model_len": engine.max_model_len, "kv_bytes_per_block": runner.kv_bytes_per_block,
                  "kv_window": list(runner.kv_window) if runner.kv_window else None,
@@ -253,10 +258,10 @@ def _now() -> str:
 def from_gpu_check(path: str | Path, flag: str = "--from-gpu-check") -> Profile:
     """A profile from ``benchmarks/micro/gpu_check.sh``'s JSON: the profile its ``profile`` section measured (checks
     since 2026-12-07), else one derived from its other sections: the decode steps (1, 64, 256 rows, prompts of
-    512, async scheduling) give the fixed and per-row decode costs; the prompt-heavy run (64 prompts of 512
-    tokens, 64 tokens each, ``same_workload_ours``) less those decode steps gives the cost of a prompt token. The
-    context terms are not separable there (every decode point is at ~530 tokens of context): they are folded into
-    the per-row cost and said so in the profile's notes."""
+    512, async scheduling) give the fixed cost of a step (their line's, at no rows) and the decode curve's points;
+    the prompt-heavy run (64 prompts of 512 tokens, 64 tokens each, ``same_workload_ours``) less those decode steps
+    gives the cost of a prompt token. The context terms are not separable there (every decode point is at ~530
+    tokens of context): they are folded into the decode curve and said so in the profile's notes."""
     path = Path(path)
     try:
         results = json.loads(path.read_text())
@@ -276,16 +281,17 @@ def from_gpu_check(path: str | Path, flag: str = "--from-gpu-check") -> Profile:
     mean_b = sum(b for b, _ in points) / n
     mean_t = sum(t for _, t in points) / n
     slope = (sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points))
-    step_s, row_s = max(0.0, mean_t - slope * mean_b), max(0.0, slope)
+    step_s = max(0.0, mean_t - slope * mean_b)  # a prompt step's fixed cost: the decode line's, at no rows
+    decode_rows_s = {b: max(0.0, t - step_s) for b, t in sorted(points)}  # each measured step, as measured
     # same_workload_ours: 64 prompts of 512 at once, 64 tokens each (max_num_batched_tokens 8192: 4 prompt steps)
     prompts, prompt_len, new_tokens, chunk = 64, 512, 64, 8192
     total_s = prompts * new_tokens / float(results["same_workload_ours"])
-    decode_s = (new_tokens - 1) * (step_s + prompts * row_s)
+    decode_s = (new_tokens - 1) * (step_s + decode_curve(prompts, list(decode_rows_s), list(decode_rows_s.values())))
     prompt_steps = math.ceil(prompts * prompt_len / chunk)
     token_s = max(0.0, (total_s - decode_s - prompt_steps * step_s) / (prompts * prompt_len))
     costs = StepCostModel({"step_s": step_s, "prefill_token_s": token_s, "prefill_row_s": 0.0, "prefill_pair_s": 0.0,
-                           "decode_row_s": row_s, "decode_context_s": 0.0, "sampled_row_s": 0.0,
-                           "rebuilt_row_s": 0.0})
+                           "decode_context_s": 0.0, "sampled_row_s": 0.0, "rebuilt_row_s": 0.0},
+                          decode_rows_s=decode_rows_s)
     first = results.get("decode_b1", {})
     facts = {"num_kv_blocks": int(min(v.get("kv_blocks", 0) for k, v in results.items()
                                       if isinstance(v, dict) and k.startswith("decode_b") and v.get("kv_blocks"))),
@@ -297,8 +303,8 @@ def from_gpu_check(path: str | Path, flag: str = "--from-gpu-check") -> Profile:
              "quantization": "auto", "tensor_parallel_size": 1, "vocab_size": 128256}
     notes = [f"derived from {path.name}: decode steps at {sorted(b for b, _ in points)} rows (context ~530), "
              f"prompt tokens from same_workload_ours ({results['same_workload_ours']:.0f} tok/s)",
-             "decode_context_s and prefill_pair_s are not separable in a GPU check: folded into the per-row and "
-             "per-token costs (accurate near 512-token contexts, optimistic far beyond)"]
+             "decode_context_s and prefill_pair_s are not separable in a GPU check: folded into the decode curve and "
+             "the per-token cost (accurate near 512-token contexts, optimistic far beyond)"]
     return Profile(f"Llama-3-8B shape, random bf16 weights ({results.get('num_layers', 32)} layers)",
                    {"load_format": "dummy", "dtype": "bfloat16"}, facts, costs,
                    machine={"gpu": results.get("device", "?"), "torch": results.get("torch"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -96,22 +97,42 @@ def test_features_count_a_steps_prompt_and_decode_work():
     assert step_features([1, 1], [9, 19], [True, True], rebuilt=False)[-1] == 0  # the persistent batch's step
 
 
-def test_the_fit_recovers_the_costs_that_made_the_steps_and_drops_slowed_ones():
+def mixed_steps(num: int, max_rows: int) -> list[tuple]:
+    """Random steps' features: prompt chunks and decodes of random contexts, some sampling, some rebuilt."""
     rng = np.random.default_rng(0)
     features = []
-    for _ in range(300):
-        rows = int(rng.integers(1, 40))
+    for _ in range(num):
+        rows = int(rng.integers(1, max_rows + 1))
         queries = [int(q) for q in rng.choice([1, 1, 1, 16, 200], size=rows)]
         starts = [int(s) for s in rng.integers(0, 900, size=rows)]
         features.append(step_features(queries, starts, [bool(b) for b in rng.integers(0, 2, size=rows)],
                                       rebuilt=bool(rng.integers(0, 2))))
+    return features
+
+
+def test_the_fit_recovers_the_costs_that_made_the_steps_and_drops_slowed_ones():
+    features = mixed_steps(300, 40)
     seconds = [COSTS.predict(f) for f in features]
     seconds[5] *= 4  # a step that waited for a core
     model = fit(features, seconds)
     for term in TERMS:
         assert model.coefficients[term] == pytest.approx(COSTS.coefficients[term], rel=1e-6, abs=1e-12)
+    assert model.decode_rows_s == pytest.approx(COSTS.decode_rows_s, rel=1e-6)
     assert model.fit_error["dropped_slow_steps"] == 1
     assert model.fit_error["median_relative_error"] < 1e-9
+
+
+def test_the_decode_rows_cost_is_a_curve_through_the_measured_batch_sizes():
+    # one row much cheaper than the line through the rest, 16 rows dearer than 17 (kernels change with the rows)
+    made = StepCostModel({**COSTS.coefficients}, decode_rows_s={1: 0.010, 2: 0.024, 4: 0.030, 16: 0.066, 17: 0.060})
+    assert made.step_seconds([1] * 3, [0] * 3, [False] * 3, rebuilt=False) == pytest.approx(0.010 + 0.027 + 3e-6)
+    assert made.predict((0, 0, 0, 0, 18, 0, 0, 0)) == pytest.approx(0.054)  # beyond: on along the last two
+    features = mixed_steps(300, 17) + [step_features([1] * n, [10] * n, [True] * n) for n in range(1, 18)]
+    model = fit(features, [made.predict(f) for f in features], knots=[1, 2, 4, 16, 17])
+    assert model.decode_rows_s == pytest.approx(made.decode_rows_s, rel=1e-6)
+    assert model.fit_error["median_relative_error"] < 1e-9
+    line = fit(features, [made.predict(f) for f in features])  # one knot: a line, which cannot follow the rows
+    assert line.fit_error["median_relative_error"] > 0.02
 
 
 def test_a_term_the_steps_cannot_support_comes_out_zero_not_negative():
@@ -125,10 +146,13 @@ def test_a_cost_model_refuses_missing_unknown_or_negative_terms():
     with pytest.raises(ValueError, match="missing"):
         StepCostModel({"step_s": 1.0})
     with pytest.raises(ValueError, match=">= 0"):
-        StepCostModel({**COSTS.coefficients, "step_s": -1.0})
+        replace(COSTS, coefficients={**COSTS.coefficients, "step_s": -1.0})
     with pytest.raises(ValueError, match="unknown"):
-        StepCostModel({**COSTS.coefficients, "warp_s": 1.0})
-    assert StepCostModel.from_json(json.loads(json.dumps(COSTS.to_json()))).coefficients == COSTS.coefficients
+        replace(COSTS, coefficients={**COSTS.coefficients, "warp_s": 1.0})
+    with pytest.raises(ValueError, match="not both"):
+        StepCostModel(COSTS.coefficients | {"decode_row_s": 1.0}, decode_rows_s={1: 1.0})
+    read = StepCostModel.from_json(json.loads(json.dumps(COSTS.to_json())))
+    assert (read.coefficients, read.decode_rows_s) == (COSTS.coefficients, COSTS.decode_rows_s)
 
 
 # -- the fleet ------------------------------------------------------------------------------------------
@@ -136,7 +160,7 @@ def test_one_request_takes_the_cost_models_time_on_the_virtual_clock():
     serving = ServingCosts(request_s=0.05, message_s=0.001)
     fleet = setup()
     fleet.serving = serving
-    fleet.costs = StepCostModel({**COSTS.coefficients, "rebuilt_row_s": 0.0})  # which steps are rebuilt: below
+    fleet.costs = replace(COSTS, coefficients={**COSTS.coefficients, "rebuilt_row_s": 0.0})  # which steps are rebuilt: below
     result = simulate([TraceRequest(100, 5, 3.0)], fleet, 1)
     row = per_request(result)[0]
     prefill = fleet.costs.step_seconds([100], [0], [True]) + serving.message_s
@@ -196,7 +220,8 @@ def test_the_cost_per_message_is_the_least_squares_slope_and_never_negative():
 
 
 def test_steps_the_persistent_batch_schedules_cost_no_rebuilt_rows():
-    only_rebuilding = StepCostModel({term: (1.0 if term == "rebuilt_row_s" else 0.0) for term in TERMS})
+    only_rebuilding = StepCostModel({term: (1.0 if term == "rebuilt_row_s" else 0.0) for term in TERMS}
+                                    | {"decode_row_s": 0.0})
     fleet = setup()
     fleet.costs = only_rebuilding
     trace = [TraceRequest(20, 30), TraceRequest(20, 30)]

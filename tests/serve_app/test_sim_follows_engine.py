@@ -19,7 +19,7 @@ from inflight.serve_app.sim.cost_model import TERMS, StepCostModel
 from inflight.serve_app.sim.fleet import FleetSetup, simulate
 from inflight.serve_app.sim.trace import TraceRequest
 
-ONE_SECOND_A_STEP = StepCostModel({term: (1.0 if term == "step_s" else 0.0) for term in TERMS})
+ONE_SECOND_A_STEP = StepCostModel({term: (1.0 if term == "step_s" else 0.0) for term in TERMS} | {"decode_row_s": 0.0})
 # (arrival step, prompt tokens, output tokens, priority): a burst, then arrivals while it runs
 TRACE = [(0, 30, 12, 0), (0, 9, 30, 1), (0, 17, 6, 0), (0, 40, 20, 2), (0, 5, 25, 0), (0, 22, 9, 1),
          (3, 12, 14, 0), (4, 33, 7, 0), (6, 8, 18, 2), (9, 26, 11, 0), (11, 14, 16, 1), (15, 6, 22, 0),
