@@ -37,7 +37,7 @@ from benchmarks.common.workloads import build_workload
 from benchmarks.peers.serve_vs_vllm import ROOT, stop, wait_ready
 from benchmarks.serving.serving import LoadRequest, run_load
 from inflight.serve_app.sim.cli import fleet_setup
-from inflight.serve_app.sim.fleet import simulate
+from inflight.serve_app.sim.fleet import per_request, simulate
 from inflight.serve_app.sim.profile import Profile, measure
 from inflight.serve_app.sim.report import latency_summary, summarize
 from inflight.serve_app.sim.serving_costs import measure_serving
@@ -102,16 +102,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         capacity_run = summarize(simulate(trace_of(requests, [0.0] * len(requests)), setup, args.replicas))
         capacity = capacity_run["request_per_s"]
         load = [LoadRequest(r.prompt_token_ids, r.max_tokens) for r in requests]
-        runs = []
+        runs, each = [], {}  # each: per rate, every request measured and simulated (where errors come from)
         for fraction in args.rate_fractions:
             rate = fraction * capacity
             arrivals = arrival_times(len(requests), rate, seed=args.seed)
             results, duration = asyncio.run(run_load(url, model.served_name, load, arrivals, None,
                                                      {"temperature": 0.0, "ignore_eos": True}, 600.0,
                                                      desc=f"{rate:.2f} req/s"))
-            measured = latency_summary(measured_rows(results), duration)
-            simulated = summarize(simulate(trace_of(requests, arrivals), setup, args.replicas))
-            runs.append((f"{fraction:.0%} of capacity ({rate:.2f} req/s)", measured, simulated))
+            measured_each = measured_rows(results)
+            measured = latency_summary(measured_each, duration)
+            simulation = simulate(trace_of(requests, arrivals), setup, args.replicas)
+            simulated = summarize(simulation)
+            label = f"{fraction:.0%} of capacity ({rate:.2f} req/s)"
+            runs.append((label, measured, simulated))
+            each[label] = [{"arrival_s": a, "prompt_tokens": len(r.prompt_token_ids), "max_tokens": r.max_tokens,
+                            "measured": m, "simulated": s}
+                           for a, r, m, s in zip(arrivals, requests, measured_each, per_request(simulation))]
     finally:
         stop(server)
         log.close()
@@ -126,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engine_args": engine_kwargs, "capacity_req_per_s": capacity,
         "machine": {**describe_machine(), "load_average_start": load_start, "load_average_end": load_average()},
         "profile": profile.to_json(),
-        "runs": [{"run": label, "measured": m, "simulated": s, "error": errors_by_run[label]} for label, m, s in runs],
+        "runs": [{"run": label, "measured": m, "simulated": s, "error": errors_by_run[label], "requests": each[label]}
+                 for label, m, s in runs],
         "within_bounds": verdict, "bounds": SERVING_BOUNDS,
     })
     return 0
