@@ -6,13 +6,14 @@
                  + prefill_pair_s    x prompt attention pairs (each prompt token x the KV it attends to)
                  + decode_rows_s(decode rows)               (a curve: below)
                  + decode_context_s  x KV tokens the decode rows read
-                 + sampled_row_s     x rows that sample a token
+                 + sampled_row_s     x prompt rows that sample a token (a decode row's sampling: in its curve)
                  + rebuilt_row_s     x rows of a batch formed anew (not the persistent batch's next step)
 
 Why these terms: a forward reads the weights once (``step_s``) and does per-token matmul work (a prompt token and
 a decode row each cost their row of every layer); attention is the part that grows with context (quadratic in a
 prompt chunk, linear in a decode row's KV); a prompt chunk has a cost of its own (its attention call, its row's
-bookkeeping: on a CPU 16 prompts of 16 tokens take longer than one of 256); sampling is per sampled row; and a
+bookkeeping: on a CPU 16 prompts of 16 tokens take longer than one of 256); sampling is per sampled row (a decode
+row always samples, so its sampling is part of the decode curve: a separate term would be the same line); and a
 batch the scheduler forms anew costs host work per row that the persistent batch's next step does not
 (engine/persistent_batch.py: arrays rebuilt, not updated in place; on this CPU a decode step of traffic whose
 running set changed every few steps took 15% longer than the same decode kept).
@@ -48,8 +49,8 @@ def step_features(query_lens: Sequence[int], start_positions: Sequence[int], sam
     """A step's shape as the model's inputs, one per term (a ``SchedulerOutput``'s fields: rows' query lengths,
     start positions, whether each samples; ``rebuilt``: not scheduled from the persistent batch). A one-token row
     is a decode (a static batch's padding rows are computed as decodes too)."""
-    prefill_tokens = prefill_rows = prefill_pairs = decode_rows = decode_context = 0
-    for q, start in zip(query_lens, start_positions):
+    prefill_tokens = prefill_rows = prefill_pairs = decode_rows = decode_context = sampled_prompts = 0
+    for q, start, sampled in zip(query_lens, start_positions, sample):
         if q == 1:
             decode_rows += 1
             decode_context += start + 1
@@ -57,7 +58,8 @@ def step_features(query_lens: Sequence[int], start_positions: Sequence[int], sam
             prefill_tokens += q
             prefill_rows += 1
             prefill_pairs += q * start + q * (q + 1) // 2
-    return (1, prefill_tokens, prefill_rows, prefill_pairs, decode_rows, decode_context, sum(sample),
+            sampled_prompts += sampled
+    return (1, prefill_tokens, prefill_rows, prefill_pairs, decode_rows, decode_context, sampled_prompts,
             len(query_lens) if rebuilt else 0)
 
 

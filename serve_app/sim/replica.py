@@ -89,7 +89,7 @@ class SimulatedReplica:
                                  scheduler.scheduled_by_persistent_batch() is None)
         seconds = self.costs.predict(features)
         if self.message_s:  # in a server: what each streamed token adds (serving_costs.py)
-            seconds += self.message_s * features[6]
+            seconds += self.message_s * (features[4] + features[6])  # tokens: every decode row, sampled prompts
         self.num_steps += 1
         self._step_started = self.clock.now
         self.kv_times.append(self.clock.now)

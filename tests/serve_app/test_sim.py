@@ -91,9 +91,10 @@ def test_a_trace_at_another_rate():
 
 # -- the cost model ----------------------------------------------------------------------------------------
 def test_features_count_a_steps_prompt_and_decode_work():
-    # a prompt chunk of 4 tokens from position 8, two decodes at positions 9 and 19, one prompt row not sampling
+    # a prompt chunk of 4 tokens from position 8, two decodes at positions 9 and 19, the prompt row not sampling
     assert step_features([4, 1, 1], [8, 9, 19], [False, True, True]) == (
-        1, 4, 1, 4 * 8 + 10, 2, 10 + 20, 2, 3)
+        1, 4, 1, 4 * 8 + 10, 2, 10 + 20, 0, 3)
+    assert step_features([4, 1], [8, 9], [True, True])[6] == 1  # sampled prompt rows (decodes always sample)
     assert step_features([1, 1], [9, 19], [True, True], rebuilt=False)[-1] == 0  # the persistent batch's step
 
 
