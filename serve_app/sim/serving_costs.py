@@ -4,7 +4,7 @@
   predicted prompt step is the fixed cost of HTTP, tokenizing and the router's hop (``ServingCosts.request_s``).
 * The serving processes' share of the machine's cores (``serving_cores``, machine.py): with two replicas or
   more, a long prompt's time to its only token on an idle server against the same while every other replica
-  decodes a stream (all engines in a step at once). While the engines' threads alone fill the cores, the
+  decodes a stream (all engines in a step at once), in pairs, the ratios' median. While the engines' threads alone fill the cores, the
   slowdown says how much more the serving processes want: ``stretch x cores - engines x threads``. With fewer
   threads than cores, or one replica, no slowdown shows and 0 is recorded. The probe must run on the server's
   machine, whose cores are the profile's.
@@ -52,7 +52,7 @@ LONG_PROMPT_TOKENS = 512
 STREAM_TOKENS = 48
 STREAMS_PER_REPLICA = (1, 8)
 SINGLE_REQUESTS = 12
-LONG_REQUESTS = 6
+LONG_REQUESTS = 8
 
 
 def measure_serving(url: str, profile: "Profile") -> ServingCosts:
@@ -90,13 +90,16 @@ def measure_serving(url: str, profile: "Profile") -> ServingCosts:
         share = machine_share(profile)
         serving_cores = 0.0
         if replicas > 1 and share is not None:
-            alone = statistics.median(latency(100 + i, long_prompt) for i in range(LONG_REQUESTS)) - request_s
-            longest = profile.engine["max_model_len"] - PROMPT_TOKENS - 1  # the busy streams outlast the probes
-            with _BusyStreams(base, [body(200 + i, longest, True) for i in range(replicas - 1)]) as busy:
-                shared = statistics.median(latency(300 + i, long_prompt) for i in range(LONG_REQUESTS)) - request_s
-                outlasted = busy.all_streaming()
-            if outlasted:
-                serving_cores = serving_cores_from(shared / alone, replicas, share)
+            longest = profile.engine["max_model_len"] - PROMPT_TOKENS - 1  # the busy streams outlast each probe
+            ratios = []  # in pairs, alone then shared, so that the machine's drift over the probe cancels
+            for i in range(LONG_REQUESTS):
+                alone = latency(100 + i, long_prompt) - request_s
+                with _BusyStreams(base, [body(200 + 10 * i + j, longest, True) for j in range(replicas - 1)]) as busy:
+                    shared = latency(300 + i, long_prompt) - request_s
+                    if busy.all_streaming():
+                        ratios.append(shared / alone)
+            if ratios:
+                serving_cores = serving_cores_from(statistics.median(ratios), replicas, share)
     stretch = MachineShare(share.cores, share.engine_threads, serving_cores).stretch(replicas) if share else 1.0
     excess = []  # per load: (streams in a replica's step, the median gap beyond the engine's predicted step)
     for streams in STREAMS_PER_REPLICA:
