@@ -4,10 +4,10 @@
   predicted prompt step is the fixed cost of HTTP, tokenizing and the router's hop (``ServingCosts.request_s``).
 * The serving processes' share of the machine's cores (``serving_cores``, machine.py): with two replicas or
   more, a long prompt's time to its only token on an idle server against the same while every other replica
-  decodes a stream (all engines in a step at once), in pairs, the ratios' median. While the engines' threads alone fill the cores, the
-  slowdown says how much more the serving processes want: ``stretch x cores - engines x threads``. With fewer
-  threads than cores, or one replica, no slowdown shows and 0 is recorded. The probe must run on the server's
-  machine, whose cores are the profile's.
+  decodes a stream (all engines in a step at once), in pairs, the ratios' median. While the engines' threads
+  alone fill the cores, the slowdown says how much more the serving processes want: ``stretch x cores - engines
+  x threads``. With fewer threads than cores, or one replica, no slowdown shows and 0 is recorded. The probe
+  must run on the server's machine, whose cores are the profile's.
 * Per streamed token: 1 and then 8 streams per replica at once (the server's /stats says how many replicas it has;
   the router spreads the streams); the gap between two of a stream's tokens beyond the engine's predicted decode
   step (stretched as every engine is busy), per stream in the step, is what each message adds to a step
