@@ -126,7 +126,8 @@ class StepCostModel:
         try:
             knots = {int(k): v for k, v in curve.items()}
         except ValueError:
-            raise ValueError(f"a profile's cost_model decode_rows_s keys must be row counts, got {list(curve)}") from None
+            raise ValueError(f"a profile's cost_model decode_rows_s keys must be row counts, got {list(curve)}") \
+                from None
         return cls(dict(record["terms"]), dict(record.get("fit_error") or {}), knots)
 
 
@@ -165,7 +166,8 @@ def fit(features: Iterable[Sequence[float]], seconds: Iterable[float], knots: Se
     # the curve is linear in its knots' values: a column per knot, its value at each step's rows when that knot's
     # value is 1 and the others' 0
     unit = np.eye(len(knots))
-    hats = np.array([[decode_curve(rows, knots, unit[j]) for j in range(len(knots))] for rows in counts[:, _DECODE_ROWS]])
+    hats = np.array([[decode_curve(rows, knots, unit[j]) for j in range(len(knots))]
+                     for rows in counts[:, _DECODE_ROWS]])
     x = np.hstack([counts[:, list(_TERM_FEATURES)], hats])
     keep = np.ones(len(y), dtype=bool)
     for _ in range(3):

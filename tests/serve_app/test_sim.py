@@ -161,7 +161,7 @@ def test_one_request_takes_the_cost_models_time_on_the_virtual_clock():
     serving = ServingCosts(request_s=0.05, message_s=0.001)
     fleet = setup()
     fleet.serving = serving
-    fleet.costs = replace(COSTS, coefficients={**COSTS.coefficients, "rebuilt_row_s": 0.0})  # which steps are rebuilt: below
+    fleet.costs = replace(COSTS, coefficients={**COSTS.coefficients, "rebuilt_row_s": 0.0})  # rebuilt steps: below
     result = simulate([TraceRequest(100, 5, 3.0)], fleet, 1)
     row = per_request(result)[0]
     prefill = fleet.costs.step_seconds([100], [0], [True]) + serving.message_s
