@@ -102,7 +102,8 @@ class StepCostModel:
         rows = features[4]
         decode = self._decode_cache.get(rows)
         if decode is None:
-            decode = self._decode_cache[rows] = decode_curve(rows, self._knots, self._values)
+            # beyond the last knot a falling last segment could go below 0: no step is cheaper than no rows
+            decode = self._decode_cache[rows] = max(0.0, decode_curve(rows, self._knots, self._values))
         return (w[0] * features[0] + w[1] * features[1] + w[2] * features[2] + w[3] * features[3] + decode
                 + w[4] * features[5] + w[5] * features[6] + w[6] * features[7])
 
@@ -123,11 +124,9 @@ class StepCostModel:
         curve = record.get("decode_rows_s") or {}
         if not isinstance(curve, dict):
             raise ValueError("a profile's cost_model decode_rows_s must be an object of {rows: seconds}")
-        try:
-            knots = {int(k): v for k, v in curve.items()}
-        except ValueError:
-            raise ValueError(f"a profile's cost_model decode_rows_s keys must be row counts, got {list(curve)}") \
-                from None
+        if not all(str(k).isdigit() for k in curve):
+            raise ValueError(f"a profile's cost_model decode_rows_s keys must be row counts, got {list(curve)}")
+        knots = {int(k): v for k, v in curve.items()}
         return cls(dict(record["terms"]), dict(record.get("fit_error") or {}), knots)
 
 

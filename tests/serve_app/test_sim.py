@@ -128,6 +128,7 @@ def test_the_decode_rows_cost_is_a_curve_through_the_measured_batch_sizes():
     made = StepCostModel({**COSTS.coefficients}, decode_rows_s={1: 0.010, 2: 0.024, 4: 0.030, 16: 0.066, 17: 0.060})
     assert made.step_seconds([1] * 3, [0] * 3, [False] * 3, rebuilt=False) == pytest.approx(0.010 + 0.027 + 3e-6)
     assert made.predict((0, 0, 0, 0, 18, 0, 0, 0)) == pytest.approx(0.054)  # beyond: on along the last two
+    assert made.predict((0, 0, 0, 0, 40, 0, 0, 0)) == 0.0  # ... but never below no cost at all
     features = mixed_steps(300, 17) + [step_features([1] * n, [10] * n, [True] * n) for n in range(1, 18)]
     model = fit(features, [made.predict(f) for f in features], knots=[1, 2, 4, 16, 17])
     assert model.decode_rows_s == pytest.approx(made.decode_rows_s, rel=1e-6)
@@ -152,6 +153,8 @@ def test_a_cost_model_refuses_missing_unknown_or_negative_terms():
         replace(COSTS, coefficients={**COSTS.coefficients, "warp_s": 1.0})
     with pytest.raises(ValueError, match="not both"):
         StepCostModel(COSTS.coefficients | {"decode_row_s": 1.0}, decode_rows_s={1: 1.0})
+    with pytest.raises(ValueError, match="keys must be row counts"):
+        StepCostModel.from_json(COSTS.to_json() | {"decode_rows_s": {"many": 1.0}})
     read = StepCostModel.from_json(json.loads(json.dumps(COSTS.to_json())))
     assert (read.coefficients, read.decode_rows_s) == (COSTS.coefficients, COSTS.decode_rows_s)
 
