@@ -18,7 +18,7 @@ from inflight.engine.request import Request
 from inflight.engine.scheduler import make_scheduler
 from inflight.engine.scheduler_output import SchedulerOutput
 from inflight.serve_app.messages import ReplicaStats
-from inflight.serve_app.sim.cost_model import StepCostModel, step_features
+from inflight.serve_app.sim.cost_model import StepCostModel
 from inflight.serve_app.sim.serving_costs import ServingCosts
 
 SAMPLED_TOKEN_ID = 1  # what every simulated step samples (requests have no end-of-sequence ids here)
@@ -85,11 +85,10 @@ class SimulatedReplica:
         if batch.is_empty:
             return None
         self.step = batch
-        features = step_features(batch.query_lens, batch.start_positions, batch.sample,
-                                 scheduler.scheduled_by_persistent_batch() is None)
-        seconds = self.costs.predict(features)
+        seconds = self.costs.step_seconds(batch.query_lens, batch.start_positions, batch.sample,
+                                          scheduler.scheduled_by_persistent_batch() is None)
         if self.message_s:  # in a server: what each streamed token adds (serving_costs.py)
-            seconds += self.message_s * (features[4] + features[6])  # tokens: every decode row, sampled prompts
+            seconds += self.message_s * sum(batch.sample)  # a message per sampled token (not static padding rows)
         self.num_steps += 1
         self._step_started = self.clock.now
         self.kv_times.append(self.clock.now)

@@ -218,6 +218,15 @@ def test_the_serving_processes_cores_come_from_how_much_a_step_slows_with_every_
     assert serving_cores_from(ratio, 2, MachineShare(2, 2)) == pytest.approx(0.4)
 
 
+def test_a_static_batchs_padding_rows_stream_no_message():
+    fleet = setup(batching="static", max_num_seqs=4)
+    trace = [TraceRequest(50, 2), TraceRequest(50, 10)]  # the first is padding for 8 of the batch's 10 steps
+    plain = simulate(trace, fleet, 1).replicas[0]
+    fleet.serving = ServingCosts(message_s=0.01)
+    served = simulate(trace, fleet, 1).replicas[0]
+    assert served.busy_s == pytest.approx(plain.busy_s + 0.01 * (2 + 10))
+
+
 def test_the_cost_per_message_is_the_least_squares_slope_and_never_negative():
     assert per_message_cost([(1, 0.002), (8, 0.016)]) == pytest.approx(0.002)
     assert per_message_cost([(1, -0.001), (8, -0.004)]) == 0.0
