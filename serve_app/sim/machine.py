@@ -69,6 +69,10 @@ class SharedMachine:
         return stretch
 
     def _ends(self, now: float, stretch_before: float, started: int | None) -> dict[int, float]:
+        """The end of every step when the speed changed, else only of the one just started (if any)."""
         stretch = self.share.stretch(len(self.work_left))
-        moved = self.work_left if stretch != stretch_before else ({started: 0.0} if started is not None else {})
+        if stretch != stretch_before:
+            moved = list(self.work_left)
+        else:
+            moved = [started] if started is not None else []
         return {replica: now + max(0.0, self.work_left[replica]) * stretch for replica in moved}
